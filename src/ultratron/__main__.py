@@ -1,0 +1,3 @@
+from ultratron.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""The `ultratron` command.
+
+Each subcommand lives in its own module with `add_arguments(parser)` and `run(args) -> int`;
+modules are imported only when their subcommand runs (and for --help), so that torch-free
+commands such as `ultratron plan` start instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name → (module, one-line help). Modules keep their top-level imports light.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "quickstart": ("ultratron.training.quickstart", "built-in corpus → tokenizer → shards → train → validate → sample"),
+    "train": ("ultratron.training.cli", "train a model: ultratron train [--config FILE] [--section.field VALUE ...]"),
+    "report": ("ultratron.training.report", "draw a run's curves (loss, grad norm, lr, tokens/s) into one PNG"),
+    "plan": ("ultratron.planning.cli", "memory per GPU, compute-optimal scaling, fastest parallel layout"),
+    "data": ("ultratron.data.cli", "data curation pipeline: read, dedup, filter, tokenize, shard"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ultratron",
+        description="Train large language models from one laptop CPU to thousands of GPUs.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text, add_help=False)
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if only is None and err.name and err.name.startswith("ultratron"):
+                continue  # a subcommand whose module is not there yet is simply not listed
+            raise
+        sp = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(sp)
+        sp.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    only = argv[0] if argv and argv[0] in COMMANDS else None
+    parser = build_parser(only)
+    args, extra = parser.parse_known_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    if extra and not getattr(args, "_accepts_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = extra
+    from ultratron.errors import UserError, format_user_error
+
+    try:
+        return int(args._run(args) or 0)
+    except UserError as err:
+        print(format_user_error(err), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

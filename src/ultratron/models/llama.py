@@ -1,0 +1,199 @@
+"""A Llama-style decoder in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Options beyond Llama 3: QK-norm (RMSNorm on queries and keys per head, as in OLMo 2 / Gemma 3),
+attention-logit and final-logit soft-capping (Gemma 2: cap · tanh(x / cap)). This module knows
+nothing about parallelism; `ultratron.parallel` applies it from outside.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaArgs:
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int
+    tie_embeddings: bool = True
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    qk_norm: bool = False
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    init_std: float = 0.02
+
+    @classmethod
+    def from_config(cls, model_cfg) -> LlamaArgs:
+        """From a resolved `ultratron.config.ModelConfig`."""
+        names = cls.__dataclass_fields__
+        return cls(**{name: getattr(model_cfg, name) for name in names})
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 even under bf16 autocast: the mean of squares loses too much in bf16.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).type_as(x)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (max_seq_len, head_dim / 2) for rotary position embeddings (Su et al. 2021)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (even, odd) channel pairs of x: (batch, seq, heads, head_dim)."""
+    x32 = x.float().unflatten(-1, (-1, 2))
+    real, imag = x32[..., 0], x32[..., 1]
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return cap * torch.tanh(x / cap) if cap > 0 else x
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.softcap = args.attn_softcap
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 instead of n_heads so that a tensor-parallel shard (fewer local heads) works unchanged.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
+        groups = q.shape[1] // k.shape[1]
+        if self.softcap > 0:
+            out = self._softcapped_attention(q, k, v, groups)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _softcapped_attention(self, q, k, v, groups: int) -> torch.Tensor:
+        # SDPA has no soft-cap, so this path materialises the scores (fine for the model sizes
+        # where soft-capping is used on CPU; GPU users want a fused kernel here).
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        scores = softcap((q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim), self.softcap)
+        seq = q.shape[2]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        return torch.softmax(scores.float(), dim=-1).type_as(v) @ v
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed by layer index keeps names stable when pipeline stages drop layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; the projections into the residual stream are scaled by
+        1/sqrt(2·n_layers) (GPT-2, Radford et al. 2019) so the residual variance stays bounded."""
+        std = self.args.init_std
+        residual_std = std / math.sqrt(2 * self.args.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                nn.init.normal_(param, mean=0.0, std=residual_std)
+            else:
+                nn.init.normal_(param, mean=0.0, std=std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, seq) → logits (batch, seq, vocab)."""
+        seq = tokens.shape[1]
+        if seq > self.args.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.args.max_seq_len}")
+        x = self.tok_embeddings(tokens)
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        logits = self.output(self.norm(x))
+        return softcap(logits, self.args.final_softcap)
+
+
+def build_model(model_cfg, device: str | torch.device = "cpu") -> Llama:
+    """A Llama from a resolved ModelConfig. `device="meta"` builds the shapes without memory."""
+    with torch.device(device):
+        return Llama(LlamaArgs.from_config(model_cfg))
