@@ -1,0 +1,105 @@
+"""Corpus → tokenizer → train/held-out token shards, as the trainer needs them.
+
+Results are cached in the data directory under a fingerprint of the inputs, so a resumed or
+repeated run reuses them. (The full curation pipeline — dedup, filters, audit — is
+`ultratron data`; this is the short road from text to shards.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ultratron.data.shards import ShardWriter, write_json_atomic
+from ultratron.data.sources import Document, held_out, iter_documents
+from ultratron.data.tokenizer import Tokenizer, train_tokenizer
+from ultratron.errors import DataError
+
+ENCODE_BATCH = 256
+
+
+@dataclass
+class PreparedData:
+    tokenizer: Tokenizer
+    train_dir: Path
+    val_dir: Path | None  # None when no document was held out
+    summary: dict
+
+
+def _fingerprint(data_cfg, vocab_size: int) -> str:
+    source = data_cfg.path if data_cfg.path is None else str(Path(data_cfg.path).resolve())
+    tok = None if data_cfg.tokenizer is None else hashlib.sha256(Path(data_cfg.tokenizer).read_bytes()).hexdigest()
+    key = {"path": source, "tokenizer": tok, "held_out_fraction": data_cfg.held_out_fraction,
+           "max_bytes": data_cfg.max_bytes, "extensions": data_cfg.extensions, "vocab_size": vocab_size}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _split(data_cfg, want_held_out: bool) -> Iterator[Document]:
+    for doc in iter_documents(data_cfg.path, data_cfg.extensions, data_cfg.max_bytes):
+        if held_out(doc.id, data_cfg.held_out_fraction) == want_held_out:
+            yield doc
+
+
+def _write(docs: Iterator[Document], tokenizer: Tokenizer, out_dir: Path) -> dict:
+    writer = ShardWriter(out_dir, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+                         tokenizer_sha256=tokenizer.sha256)
+    batch: list[str] = []
+    n_bytes = 0
+    for doc in docs:
+        batch.append(doc.text)
+        n_bytes += len(doc.text.encode("utf-8"))
+        if len(batch) == ENCODE_BATCH:
+            for ids in tokenizer.encode_batch(batch):
+                writer.add(ids)
+            batch = []
+    for ids in tokenizer.encode_batch(batch):
+        writer.add(ids)
+    return writer.close({"n_bytes": n_bytes})
+
+
+def prepare_data(data_cfg, vocab_size: int, out_dir: str | Path, log: Callable[[str], None] = print) -> PreparedData:
+    out_dir = Path(out_dir)
+    stamp = out_dir / "prepared.json"
+    fingerprint = _fingerprint(data_cfg, vocab_size)
+    if stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == fingerprint:
+        summary = json.loads(stamp.read_text())
+        log(f"data: reusing tokenizer and shards in {out_dir}")
+        val = out_dir / "val"
+        return PreparedData(Tokenizer.load(out_dir / "tokenizer.json"), out_dir / "train",
+                            val if summary["val"]["n_tokens"] else None, summary)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    source = "built-in corpus (Python standard library)" if data_cfg.path is None else data_cfg.path
+    if next(_split(data_cfg, False), None) is None:
+        raise DataError(f"no training documents found in {source} (empty files are skipped; "
+                        f"extensions read: {data_cfg.extensions})")
+
+    if data_cfg.tokenizer:
+        tokenizer = Tokenizer.load(data_cfg.tokenizer)
+        log(f"data: loaded tokenizer {data_cfg.tokenizer} ({tokenizer.vocab_size} tokens)")
+    else:
+        log(f"data: training a byte-level BPE tokenizer ({vocab_size} tokens) on {source}")
+        tokenizer = train_tokenizer((d.text for d in _split(data_cfg, False)), vocab_size)
+    if tokenizer.vocab_size > vocab_size:
+        raise DataError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size={vocab_size}; "
+                        "raise model.vocab_size or use a smaller tokenizer")
+    tokenizer.save(out_dir / "tokenizer.json")
+
+    log("data: tokenizing into shards")
+    train = _write(_split(data_cfg, False), tokenizer, out_dir / "train")
+    val = _write(_split(data_cfg, True), tokenizer, out_dir / "val")
+    summary = {"fingerprint": fingerprint, "source": source, "tokenizer_vocab_size": tokenizer.vocab_size,
+               "train": {k: train[k] for k in ("n_documents", "n_tokens", "n_bytes")},
+               "val": {k: val[k] for k in ("n_documents", "n_tokens", "n_bytes")}}
+    write_json_atomic(stamp, summary)
+    log(f"data: train {train['n_documents']} documents / {train['n_tokens']:,} tokens, "
+        f"held-out {val['n_documents']} documents / {val['n_tokens']:,} tokens "
+        f"({train['n_bytes'] / max(train['n_tokens'], 1):.2f} bytes per token)")
+    if not val["n_tokens"]:
+        log("data: warning: no document was held out; validation loss is disabled")
+    return PreparedData(tokenizer, out_dir / "train", out_dir / "val" if val["n_tokens"] else None, summary)

@@ -1,0 +1,133 @@
+"""Token shards: flat token streams the trainer memory-maps.
+
+A shard directory holds `meta.json` (tokenizer hash, dtype, counts, the shard list) and, per
+shard, `NAME.bin` (the tokens, each document followed by EOS) and `NAME.idx.npy` (the offset of
+each document's first token). Every file is written under a temporary name and renamed, and
+`meta.json` comes last: a directory without it is not a finished shard set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ultratron.errors import DataError
+
+META = "meta.json"
+FORMAT_VERSION = 1
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    _atomic_write_bytes(Path(path), (json.dumps(obj, indent=2) + "\n").encode("utf-8"))
+
+
+class ShardWriter:
+    """Append tokenized documents; a new shard starts once `tokens_per_shard` is reached."""
+
+    def __init__(self, out_dir: str | Path, *, vocab_size: int, eos_id: int, tokenizer_sha256: str,
+                 tokens_per_shard: int = 50_000_000, prefix: str = "shard"):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / META).unlink(missing_ok=True)  # the set is unfinished until close()
+        self.dtype = token_dtype(vocab_size)
+        self.vocab_size, self.eos_id, self.tokenizer_sha256 = vocab_size, eos_id, tokenizer_sha256
+        self.tokens_per_shard, self.prefix = tokens_per_shard, prefix
+        self.shards: list[dict] = []
+        self._tokens: list[np.ndarray] = []
+        self._starts: list[int] = []
+        self._count = 0
+
+    def add(self, ids: list[int]) -> None:
+        arr = np.empty(len(ids) + 1, dtype=self.dtype)
+        arr[:-1] = ids
+        arr[-1] = self.eos_id
+        self._starts.append(self._count)
+        self._tokens.append(arr)
+        self._count += len(arr)
+        if self._count >= self.tokens_per_shard:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._tokens:
+            return
+        name = f"{self.prefix}_{len(self.shards):05d}"
+        _atomic_write_bytes(self.out_dir / f"{name}.bin", np.concatenate(self._tokens).tobytes())
+        tmp_idx = self.out_dir / f"{name}.idx.tmp.npy"
+        np.save(tmp_idx, np.asarray(self._starts, dtype=np.int64))
+        os.replace(tmp_idx, self.out_dir / f"{name}.idx.npy")
+        self.shards.append({"name": name, "n_tokens": self._count, "n_documents": len(self._starts)})
+        self._tokens, self._starts, self._count = [], [], 0
+
+    def close(self, extra: dict | None = None) -> dict:
+        self._flush()
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "dtype": self.dtype.name,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "n_tokens": sum(s["n_tokens"] for s in self.shards),
+            "n_documents": sum(s["n_documents"] for s in self.shards),
+            "shards": self.shards,
+            **(extra or {}),
+        }
+        write_json_atomic(self.out_dir / META, meta)
+        return meta
+
+
+def write_shards(token_lists: Iterable[list[int]], out_dir: str | Path, **kwargs) -> dict:
+    writer = ShardWriter(out_dir, **kwargs)
+    for ids in token_lists:
+        writer.add(ids)
+    return writer.close()
+
+
+@dataclass
+class ShardSet:
+    """A finished shard directory, memory-mapped."""
+
+    root: Path
+    meta: dict
+    tokens: list[np.ndarray]  # one memmap per shard
+
+    @classmethod
+    def open(cls, root: str | Path) -> ShardSet:
+        root = Path(root)
+        meta_path = root / META
+        if not meta_path.is_file():
+            raise DataError(f"{root}: not a finished shard directory (no {META})")
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        dtype = np.dtype(meta["dtype"])
+        tokens = []
+        for shard in meta["shards"]:
+            path = root / f"{shard['name']}.bin"
+            expected = shard["n_tokens"] * dtype.itemsize
+            if not path.is_file() or path.stat().st_size != expected:
+                raise DataError(f"{path}: missing or truncated (expected {expected} bytes)")
+            tokens.append(np.memmap(path, dtype=dtype, mode="r"))
+        return cls(root=root, meta=meta, tokens=tokens)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.meta["n_tokens"]
+
+    def document_starts(self, shard_index: int) -> np.ndarray:
+        return np.load(self.root / f"{self.meta['shards'][shard_index]['name']}.idx.npy")

@@ -1,0 +1,117 @@
+"""Where training text comes from: the built-in corpus, directories of text files, JSONL files.
+
+The built-in corpus is the running interpreter's standard library (`.py` files: code and
+docstrings), present on every machine with nothing to download. Documents are split into
+train and held-out deterministically by a hash of their name, so the split never depends on
+the order files are listed in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ultratron.errors import DataError
+
+# Parts of the standard library that are test data rather than library code (and hold files
+# in deliberately odd encodings), or that are not part of the stdlib proper.
+BUILTIN_EXCLUDED_DIRS = frozenset({
+    "test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3",
+    "config-3", "ensurepip",
+})
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+
+
+def builtin_corpus_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _walk_files(root: Path, extensions: tuple[str, ...], excluded_dirs: frozenset[str] = frozenset()) -> list[Path]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in excluded_dirs and not d.startswith("."))
+        files.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(extensions))
+    return files
+
+
+def held_out(doc_id: str, fraction: float) -> bool:
+    """Deterministic split: a document is held out when its id hashes into the first `fraction`."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.sha256(doc_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def _decode(raw: bytes, where: str, strict: bool) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if strict:
+            raise DataError(
+                f"{where}: not valid UTF-8 at byte {err.start} ({raw[err.start:err.start + 4]!r}); "
+                "convert the file to UTF-8 or remove it"
+            ) from None
+        return None
+
+
+def iter_builtin() -> Iterator[Document]:
+    """The standard library's .py files. Files that are not UTF-8 are skipped (there are none
+    outside the excluded test directories in CPython 3.11, but other builds may differ)."""
+    root = builtin_corpus_root()
+    for path in _walk_files(root, (".py",), BUILTIN_EXCLUDED_DIRS):
+        text = _decode(path.read_bytes(), str(path), strict=False)
+        if text and text.strip():
+            yield Document(id=str(path.relative_to(root)), text=text)
+
+
+def _iter_jsonl(path: Path, doc_prefix: str) -> Iterator[Document]:
+    with path.open("rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            line = _decode(raw, f"{path}:{line_no}", strict=True)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise DataError(f'{path}:{line_no}: each JSONL line must be an object with a string "text" field')
+            doc_id = str(record.get("id", f"{doc_prefix}:{line_no}"))
+            yield Document(id=doc_id, text=record["text"])
+
+
+def iter_path(path: str | Path, extensions: tuple[str, ...] = (".txt",)) -> Iterator[Document]:
+    """Documents from a file (text or .jsonl) or a directory of such files. Non-UTF-8 is an error."""
+    root = Path(path)
+    if not root.exists():
+        raise DataError(f"data.path {str(root)!r} does not exist")
+    files = [root] if root.is_file() else _walk_files(root, extensions)
+    for file in files:
+        rel = file.name if root.is_file() else str(file.relative_to(root))
+        if file.suffix == ".jsonl":
+            yield from _iter_jsonl(file, rel)
+        else:
+            text = _decode(file.read_bytes(), str(file), strict=True)
+            if text and text.strip():
+                yield Document(id=rel, text=text)
+
+
+def iter_documents(path: str | None, extensions: str = ".txt", max_bytes: int = 0) -> Iterator[Document]:
+    """The corpus for `data.path` (None: built-in), stopping after `max_bytes` of text if > 0."""
+    docs = iter_builtin() if path is None else iter_path(path, tuple(e.strip() for e in extensions.split(",")))
+    total = 0
+    for doc in docs:
+        yield doc
+        total += len(doc.text.encode("utf-8"))
+        if max_bytes and total >= max_bytes:
+            return
