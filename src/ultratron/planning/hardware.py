@@ -1,0 +1,223 @@
+"""Accelerators the planner knows: dense peak FLOP/s, memory and link bandwidths, each with a source.
+
+Peaks are *dense* tensor-core figures. Vendor datasheets headline the 2:4 structured-sparsity
+number, which is twice the dense one; dividing by it halves every MFU (a common bug, see
+REFERENCES.md). Memory is the capacity the driver reports (GiB), not the marketing "GB".
+Bandwidths are per GPU and per direction: `intra_node_bw` over NVLink / Infinity Fabric / PCIe,
+`inter_node_bw` over the network (one NIC per GPU, as in the reference systems named).
+
+The CPU has no datasheet peak: `peak_flops("cpu", dtype)` times a large matmul with torch (the
+only place this module touches torch, imported inside the function) and caches the result in
+~/.cache/ultratron/cpu_peak.json, so MFU on a CPU is relative to what its matmul achieves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ultratron.errors import UserError
+
+GiB = 1024**3
+GB = 1e9
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    flops: dict[str, float]  # dtype → dense peak FLOP/s
+    memory_bytes: float
+    intra_node_bw: float  # bytes/s per GPU per direction inside a node
+    inter_node_bw: float  # bytes/s per GPU per direction between nodes
+    gpus_per_node: int
+    source: str
+    aliases: tuple[str, ...] = field(default=())
+
+
+def _flops(bf16: float, fp32: float, tf32: float, fp8: float | None = None) -> dict[str, float]:
+    table = {"bf16": bf16 * TFLOPS, "fp16": bf16 * TFLOPS, "fp32": fp32 * TFLOPS, "tf32": tf32 * TFLOPS}
+    if fp8 is not None:
+        table["fp8"] = fp8 * TFLOPS
+    return table
+
+
+ACCELERATORS: dict[str, Accelerator] = {
+    # NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5 column: BF16 1,979 TFLOPS *with sparsity*
+    # → 989.4 dense; TF32 494.7 dense; FP32 67; FP8 1,979 dense. 80 GB HBM3 (nvidia-smi: 81,559 MiB).
+    # NVLink 4: 900 GB/s bidirectional → 450 GB/s per direction. DGX H100: 8× ConnectX-7 400 Gb/s.
+    "h100-sxm": Accelerator(
+        "H100 SXM", _flops(989.4, 67.0, 494.7, 1978.9), 79.6 * GiB, 450 * GB, 50 * GB, 8,
+        "NVIDIA H100 datasheet (SXM5): dense BF16 989.4 TFLOP/s, 80 GB HBM3, NVLink 900 GB/s, "
+        "DGX H100 400 Gb/s per GPU",
+        aliases=("h100", "h100 80gb hbm3", "h100 sxm", "h100-sxm5"),
+    ),
+    # Same datasheet, PCIe column: BF16 1,513 sparse → 756.5 dense; TF32 378; FP32 51; 80 GB HBM2e.
+    # No NVSwitch: GPUs talk over PCIe Gen5 x16 (64 GB/s per direction); assume a 200 Gb/s NIC each.
+    "h100-pcie": Accelerator(
+        "H100 PCIe", _flops(756.5, 51.0, 378.0, 1513.0), 79.6 * GiB, 64 * GB, 25 * GB, 8,
+        "NVIDIA H100 datasheet (PCIe): dense BF16 756.5 TFLOP/s, 80 GB HBM2e, PCIe Gen5 64 GB/s",
+        aliases=("h100 pcie", "h100-pcie"),
+    ),
+    # NVIDIA H200 Tensor Core GPU datasheet (2024), SXM column: same compute as H100 SXM, 141 GB
+    # HBM3e (nvidia-smi: 143,771 MiB), NVLink 900 GB/s; HGX H200 with 400 Gb/s per GPU.
+    "h200": Accelerator(
+        "H200 SXM", _flops(989.4, 67.0, 494.7, 1978.9), 140.4 * GiB, 450 * GB, 50 * GB, 8,
+        "NVIDIA H200 datasheet (SXM): dense BF16 989.4 TFLOP/s, 141 GB HBM3e, NVLink 900 GB/s",
+        aliases=("h200", "h200 sxm", "gh200"),
+    ),
+    # NVIDIA A100 Tensor Core GPU datasheet (2021): BF16 312 dense (624 sparse), TF32 156, FP32 19.5.
+    # NVLink 3: 600 GB/s bidirectional → 300 per direction; DGX A100: 8× HDR 200 Gb/s.
+    "a100-40gb": Accelerator(
+        "A100 40GB", _flops(312.0, 19.5, 156.0), 40.0 * GiB, 300 * GB, 25 * GB, 8,
+        "NVIDIA A100 datasheet: dense BF16 312 TFLOP/s, 40 GB HBM2, NVLink 600 GB/s, HDR 200 Gb/s",
+        aliases=("a100-sxm4-40gb", "a100 40gb", "a100-pcie-40gb"),
+    ),
+    "a100-80gb": Accelerator(
+        "A100 80GB", _flops(312.0, 19.5, 156.0), 80.0 * GiB, 300 * GB, 25 * GB, 8,
+        "NVIDIA A100 datasheet: dense BF16 312 TFLOP/s, 80 GB HBM2e, NVLink 600 GB/s, HDR 200 Gb/s",
+        aliases=("a100", "a100-sxm4-80gb", "a100 80gb", "a100 80gb pcie"),
+    ),
+    # NVIDIA HGX B200 datasheet (2024): FP16/BF16 4.5 PFLOPS with sparsity → 2.25 dense per GPU;
+    # TF32 2.2 sparse → 1.1 dense; FP8 9 sparse → 4.5 dense; FP32 600 TFLOPS per 8 GPUs → 75.
+    # 180 GB HBM3e; NVLink 5: 1.8 TB/s bidirectional → 900 GB/s; DGX B200: 400 Gb/s per GPU.
+    "b200": Accelerator(
+        "B200", _flops(2250.0, 75.0, 1100.0, 4500.0), 179.0 * GiB, 900 * GB, 50 * GB, 8,
+        "NVIDIA HGX B200 datasheet: dense BF16 2.25 PFLOP/s, 180 GB HBM3e, NVLink 1.8 TB/s",
+        aliases=("b200", "hgx b200"),
+    ),
+    # AMD Instinct MI300X datasheet (2023): BF16 1,307.4 dense (2,614.9 sparse), TF32 653.7,
+    # FP32 163.4, FP8 2,614.9 dense; 192 GB HBM3; 7 Infinity Fabric links × 64 GB/s = 448 GB/s per
+    # direction to the other 7 GPUs; assume one 400 Gb/s NIC per GPU.
+    "mi300x": Accelerator(
+        "MI300X", _flops(1307.4, 163.4, 653.7, 2614.9), 192.0 * GiB, 448 * GB, 50 * GB, 8,
+        "AMD Instinct MI300X datasheet: dense BF16 1307.4 TFLOP/s, 192 GB HBM3, Infinity Fabric 896 GB/s",
+        aliases=("mi300x", "amd instinct mi300x", "instinct mi300x"),
+    ),
+    # NVIDIA L40S datasheet (2023): BF16 733 with sparsity → 362.05 dense; TF32 183; FP32 91.6;
+    # 48 GB GDDR6 (nvidia-smi: 46,068 MiB); no NVLink: PCIe Gen4 x16 32 GB/s; assume 200 Gb/s NIC.
+    "l40s": Accelerator(
+        "L40S", _flops(362.05, 91.6, 183.0, 733.0), 45.0 * GiB, 32 * GB, 25 * GB, 8,
+        "NVIDIA L40S datasheet: dense BF16 362 TFLOP/s, 48 GB GDDR6, PCIe Gen4 32 GB/s",
+        aliases=("l40s",),
+    ),
+}
+
+DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
+                 "float8": "fp8"}
+
+
+def _normalise(name: str) -> str:
+    return " ".join(name.lower().replace("nvidia", "").replace("_", " ").split())
+
+
+def find_accelerator(name: str) -> Accelerator | None:
+    """The table entry for a key ("h100-sxm") or a device name as torch reports it ("NVIDIA H100 PCIe")."""
+    key = _normalise(name)
+    if key in ACCELERATORS:
+        return ACCELERATORS[key]
+    for acc in ACCELERATORS.values():
+        if key in acc.aliases or key == acc.name.lower():
+            return acc
+    # Device strings carry extra words ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB"): match by part.
+    if "h100" in key:
+        return ACCELERATORS["h100-pcie" if "pcie" in key else "h100-sxm"]
+    if "h200" in key:
+        return ACCELERATORS["h200"]
+    if "a100" in key:
+        return ACCELERATORS["a100-40gb" if "40gb" in key else "a100-80gb"]
+    for short in ("b200", "mi300x", "l40s"):
+        if short in key:
+            return ACCELERATORS[short]
+    return None
+
+
+def get_accelerator(name: str) -> Accelerator:
+    """Like `find_accelerator`, but raise a UserError naming the known ones."""
+    acc = find_accelerator(name)
+    if acc is None:
+        raise UserError(f"unknown GPU {name!r}; known: {', '.join(ACCELERATORS)}")
+    return acc
+
+
+def _dtype_key(dtype: str) -> str:
+    key = dtype.lower().removeprefix("torch.")
+    return DTYPE_ALIASES.get(key, key)
+
+
+def default_cache_path() -> Path:
+    return Path.home() / ".cache" / "ultratron" / "cpu_peak.json"
+
+
+def measure_cpu_matmul_flops(dtype: str = "fp32", seconds: float = 1.0, size: int = 1024) -> float:
+    """Best FLOP/s of repeated square matmuls on this CPU with torch's current thread count."""
+    import torch
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    a = torch.randn(size, size, dtype=torch_dtype)
+    b = torch.randn(size, size, dtype=torch_dtype)
+    torch.mm(a, b)  # warm-up: first call pays for thread-pool start and kernel selection
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    runs = 0
+    while runs < 3 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+        runs += 1
+    return 2.0 * size**3 / best
+
+
+def _cpu_key(dtype: str) -> str:
+    import torch
+
+    return f"{platform.machine()}|{platform.processor() or 'cpu'}|{os.cpu_count()}|" \
+           f"threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
+
+
+def cpu_peak_flops(dtype: str = "fp32", cache_path: Path | None = None) -> tuple[float, str]:
+    """Measured matmul FLOP/s of this CPU for `dtype`, cached per machine, thread count and torch version."""
+    path = cache_path or default_cache_path()
+    key = _cpu_key(dtype)
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if not isinstance(cache, dict):
+        cache = {}
+    if key in cache:
+        return float(cache[key]), f"measured {dtype} matmul on this CPU (cached in {path})"
+    value = measure_cpu_matmul_flops(dtype)
+    cache[key] = value
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        tmp.replace(path)  # never leave a half-written cache behind
+    except OSError:
+        pass  # a read-only home only costs a re-measurement next time
+    return value, f"measured {dtype} matmul on this CPU"
+
+
+def peak_flops(device_name: str, dtype: str, cache_path: Path | None = None) -> tuple[float, str]:
+    """(dense peak FLOP/s, where the number comes from) for a device name and dtype.
+
+    "cpu" is measured (and cached); a GPU name is looked up in `ACCELERATORS`, matching torch's
+    device names such as "NVIDIA H100 80GB HBM3". An unknown device or dtype gives 0.0, which
+    `flops.mfu` turns into an MFU of 0 rather than a wrong number.
+    """
+    key = _dtype_key(dtype)
+    if _normalise(device_name).split(":")[0] == "cpu":
+        if key not in ("fp32", "bf16", "fp16"):
+            return 0.0, f"no CPU measurement for dtype {dtype!r}"
+        return cpu_peak_flops(key, cache_path)
+    acc = find_accelerator(device_name)
+    if acc is None:
+        return 0.0, f"unknown device {device_name!r} (known: {', '.join(ACCELERATORS)})"
+    if key not in acc.flops:
+        return 0.0, f"no {dtype!r} peak for {acc.name} in the table"
+    return acc.flops[key], f"{acc.name} dense {key}: {acc.source}"

@@ -1,0 +1,54 @@
+import json
+
+import pytest
+
+from ultratron.errors import UserError
+from ultratron.planning import hardware
+from ultratron.planning.hardware import ACCELERATORS, get_accelerator, peak_flops
+
+
+def test_dense_not_sparse_peaks():
+    # The sparse headline figures are exactly twice these; MFU against them would halve.
+    assert peak_flops("h100-sxm", "bf16")[0] == pytest.approx(989.4e12)
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16")[0] == pytest.approx(989.4e12)
+    assert peak_flops("NVIDIA H100 PCIe", "bf16")[0] == pytest.approx(756.5e12)
+    assert peak_flops("NVIDIA A100-SXM4-40GB", "bf16")[0] == pytest.approx(312e12)
+    assert peak_flops("AMD Instinct MI300X", "bf16")[0] == pytest.approx(1307.4e12)
+    assert peak_flops("NVIDIA B200", "bf16")[0] == pytest.approx(2250e12)
+    assert peak_flops("NVIDIA L40S", "bf16")[0] == pytest.approx(362.05e12)
+    assert peak_flops("NVIDIA H200", "fp32")[0] == pytest.approx(67e12)
+
+
+def test_every_entry_has_the_asked_fields():
+    assert set(ACCELERATORS) == {"h100-sxm", "h100-pcie", "h200", "a100-40gb", "a100-80gb", "b200", "mi300x",
+                                 "l40s"}
+    for acc in ACCELERATORS.values():
+        assert acc.flops["bf16"] > acc.flops["fp32"] > 0
+        assert acc.intra_node_bw > acc.inter_node_bw > 0
+        assert "datasheet" in acc.source
+    assert get_accelerator("A100 80GB PCIe").memory_bytes == 80 * 1024**3
+    assert get_accelerator("a100-sxm4-40gb").memory_bytes == 40 * 1024**3
+
+
+def test_unknown_device_gives_zero_with_reason():
+    value, source = peak_flops("Voodoo2", "bf16")
+    assert value == 0.0 and "unknown device" in source
+    with pytest.raises(UserError, match="known: h100-sxm"):
+        get_accelerator("Voodoo2")
+
+
+def test_cpu_peak_is_measured_once_then_cached(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", lambda dtype: calls.append(dtype) or 1.5e11)
+    cache = tmp_path / "sub" / "cpu_peak.json"
+    first = peak_flops("cpu", "fp32", cache_path=cache)
+    second = peak_flops("cpu", "float32", cache_path=cache)
+    assert first[0] == second[0] == 1.5e11
+    assert calls == ["fp32"]
+    assert "cached" in second[1]
+    assert list(json.loads(cache.read_text()).values()) == [1.5e11]
+
+
+def test_cpu_matmul_measurement_is_plausible():
+    measured = hardware.measure_cpu_matmul_flops("fp32", seconds=0.05, size=256)
+    assert 1e8 < measured < 1e14
