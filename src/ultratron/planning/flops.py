@@ -18,7 +18,8 @@ def matmul_params(counts: ParamCounts, vocab_size: int, dim: int) -> int:
     return counts.layers + vocab_size * dim
 
 
-def training_flops_per_token(counts: ParamCounts, *, vocab_size: int, dim: int, n_layers: int, seq_len: int) -> float:
+def training_flops_per_token(counts: ParamCounts, *, vocab_size: int, dim: int, n_layers: int,
+                             seq_len: int) -> float:
     return 6.0 * matmul_params(counts, vocab_size, dim) + 12.0 * n_layers * dim * seq_len
 
 

@@ -1,0 +1,358 @@
+"""Bytes per GPU of a training step for a model shape and a parallel layout.
+
+Static terms (per parameter, Ultra-Scale Playbook / Rajbhandari et al. 2020, ZeRO):
+  bf16 mixed precision: bf16 params 2 + bf16 grads 2 + fp32 master 4 + Adam moments 8 = 16 bytes,
+  plus 4 for an fp32 gradient-accumulation buffer (`fp32_grad_accum`); fp32: 4 + 4 + 0 + 8 = 16.
+  (The trainer's autocast flavour of bf16 keeps fp32 params and grads, 4 + 4 + 8 = 16 as well,
+  plus a transient bf16 copy of the weights that autocast caches during forward.)
+  ZeRO-1 shards master + moments, ZeRO-2 also grads, ZeRO-3 also params, over dp·cp ranks (the
+  group FSDP / the distributed optimizer shards over when context parallel is on). TP shards the
+  matrices (norm weights stay whole), PP keeps ceil(L/pp) layers per stage; the first stage adds
+  the embedding, the last the final norm and output head (also the embedding's copy when tied).
+
+Activations (saved for backward, per layer and micro-batch), two estimators:
+  * "textbook" — Korthikanti et al. 2022 (arXiv 2205.05198), bf16, multi-head attention, 4h MLP:
+    s·b·h·(34 + 5·a·s/h); TP without SP s·b·h·(10 + 24/t + 5·a·s/(h·t)); TP + SP s·b·h·(34 + 5·a·s/h)/t;
+    selective recompute drops the 5·a·s/h term, full recompute keeps 2·s·b·h (÷t with SP).
+  * "per-op" — counts what `ultratron.models.llama` actually saves, tensor by tensor (T = tokens of
+    the micro-batch on this rank, p = 2 bytes in bf16 or 4 in fp32, f = ffn_dim, kv = n_kv·head_dim):
+      RMSNorm (×2): fp32 input 4·T·h + fp32 normalised 4·T·h + output p·T·h (saved by the next
+      matmuls) + fp32 rsqrt 4·T (+ an fp32 copy of the weight in bf16);
+      attention: q and k after RoPE, v, and the attention output, p·T·(2h + 2kv); flash attention
+      keeps no s×s scores, only the fp32 log-sum-exp 4·b·a·s; the GQA kv heads are counted at
+      their own width, not repeated to n_heads;
+      SwiGLU: w1·x, w3·x, silu(w1·x) and their product, 4·p·T·f.
+    Selective recompute (ultratron's definition) recomputes the RMSNorms and SwiGLU's silu·mul in
+    backward, so a norm keeps its input and output 2·p·T·h and the MLP 3·p·T·f. Full recompute
+    keeps each layer's input p·T·h and recomputes one layer at a time during backward.
+    TP divides everything between the column- and row-parallel matmuls by t; sequence parallel
+    divides the norm regions too (its gathered input is re-gathered in backward, as in Korthikanti).
+  Both: CP divides tokens by cp; the loss keeps fp32 log-probabilities 4·T·v/t (vocab-parallel)
+  and the int64 targets 8·T.
+
+Pipeline schedules hold several micro-batches' activations on a stage: AFAB (GPipe) all m;
+1F1B min(p, m) on the first stage and 1 on the last; interleaved with v chunks on the first stage
+p·(1 + (p−1)/(p·v)) (Korthikanti §4.2.3). Both the first and the last stage are estimated and the
+heavier one is reported.
+
+Peak = static + communication buffers + the larger of (activations + the transient loss logits +
+one recomputed layer) and (the optimizer step's temporaries: torch's foreach AdamW allocates an
+fp32 tensor per parameter shard for sqrt(v)).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from ultratron.errors import UserError
+from ultratron.planning.params import count_params_of
+
+GiB = 1024**3
+SCHEDULES = ("afab", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp32")
+ACTIVATION_MODELS = ("per-op", "textbook")
+DDP_BUCKET_BYTES = 25 * 1024**2  # torch DDP's default bucket_cap_mb
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one training step is spread over GPUs. `grad_acc` micro-batches of `mbs` sequences per dp rank."""
+
+    dp: int = 1
+    zero: int = 0
+    tp: int = 1
+    sp: bool = False
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    cp: int = 1
+    ep: int = 1
+    mbs: int = 1
+    grad_acc: int = 1
+    seq: int = 4096
+    recompute: str = "none"
+    precision: str = "bf16"
+    fp32_grad_accum: bool = False
+
+    @property
+    def n_gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def compute_bytes(self) -> int:
+        return 2 if self.precision == "bf16" else 4
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks that ZeRO shards optimizer state, gradients and parameters over."""
+        return self.dp * self.cp
+
+    def describe(self) -> str:
+        parts = [f"dp={self.dp}"]
+        if self.zero:
+            parts.append(f"zero={self.zero}")
+        parts.append(f"tp={self.tp}{'+sp' if self.sp and self.tp > 1 else ''}")
+        parts.append(f"pp={self.pp}")
+        if self.pp > 1:
+            parts.append(self.pp_schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else ""))
+        parts.append(f"cp={self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        parts += [f"mbs={self.mbs}", f"ga={self.grad_acc}", f"recompute={self.recompute}"]
+        return " ".join(parts)
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes on the heaviest GPU (the first or last pipeline stage), term by term."""
+
+    parameters: float
+    gradients: float
+    grad_accum_buffer: float
+    master_weights: float
+    optimizer_states: float
+    activations: float
+    loss_logits: float  # the fp32 log-probabilities kept for the cross-entropy backward
+    comm_buffers: float
+    transient: float  # what is briefly alive at the peak on top of the above (see the module doc)
+    stage: str  # "only", "first" or "last"
+    extra: dict = field(default_factory=dict)
+
+    TERMS = ("parameters", "gradients", "grad_accum_buffer", "master_weights", "optimizer_states",
+             "activations", "loss_logits", "comm_buffers", "transient")
+
+    @property
+    def static_bytes(self) -> float:
+        return (self.parameters + self.gradients + self.grad_accum_buffer + self.master_weights
+                + self.optimizer_states)
+
+    @property
+    def peak_bytes(self) -> float:
+        return sum(getattr(self, term) for term in self.TERMS)
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["static_bytes"] = self.static_bytes
+        out["peak_bytes"] = self.peak_bytes
+        return out
+
+
+def check_layout(shape, layout: Layout) -> list[str]:
+    """Problems that make a layout impossible for a shape, one line each (empty when fine)."""
+    p: list[str] = []
+    for name in ("dp", "tp", "pp", "cp", "ep", "mbs", "grad_acc", "seq", "virtual_stages"):
+        if getattr(layout, name) < 1:
+            p.append(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(layout, name)}")
+    if p:
+        return p
+    if layout.zero not in (0, 1, 2, 3):
+        p.append(f"--zero must be 0, 1, 2 or 3, got {layout.zero}")
+    if layout.pp_schedule not in SCHEDULES:
+        p.append(f"--pp-schedule {layout.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if layout.recompute not in RECOMPUTE:
+        p.append(f"--recompute {layout.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if layout.precision not in PRECISIONS:
+        p.append(f"--precision {layout.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if shape.n_heads % layout.tp or shape.n_kv_heads % layout.tp:
+        p.append(f"tp={layout.tp} does not divide n_heads={shape.n_heads} and n_kv_heads={shape.n_kv_heads}")
+    if layout.pp > shape.n_layers:
+        p.append(f"pp={layout.pp} exceeds n_layers={shape.n_layers}")
+    if layout.seq % layout.cp:
+        p.append(f"cp={layout.cp} does not divide the sequence length {layout.seq}")
+    if layout.pp_schedule == "interleaved":
+        if layout.virtual_stages < 2:
+            p.append("--pp-schedule interleaved needs --virtual-stages ≥ 2")
+        elif layout.pp * layout.virtual_stages > shape.n_layers:
+            p.append(f"pp×virtual_stages = {layout.pp * layout.virtual_stages} "
+                     f"exceeds n_layers={shape.n_layers}")
+    elif layout.virtual_stages != 1:
+        p.append(f"--virtual-stages {layout.virtual_stages} needs --pp-schedule interleaved")
+    if layout.ep > 1 and getattr(shape, "n_experts", 0) <= 1:
+        p.append(f"ep={layout.ep} needs a mixture-of-experts model; this model is dense (use ep=1)")
+    return p
+
+
+def _head_dim(shape) -> int:
+    return shape.dim // shape.n_heads
+
+
+def _tokens(layout: Layout) -> float:
+    return layout.mbs * layout.seq / layout.cp
+
+
+def textbook_layer_activation_bytes(shape, layout: Layout, recompute: str | None = None) -> float:
+    """Korthikanti et al. per-layer bytes (bf16 basis, scaled ×2 for fp32)."""
+    recompute = recompute or layout.recompute
+    s, b, h, a, t = layout.seq / layout.cp, layout.mbs, shape.dim, shape.n_heads, layout.tp
+    sbh = s * b * h
+    scale = layout.compute_bytes / 2
+    if recompute == "full":
+        return scale * 2 * sbh / (t if layout.sp else 1)
+    attention_scores = 0.0 if recompute == "selective" else 5 * a * s / h
+    if t == 1:
+        per = 34 + attention_scores
+    elif layout.sp:
+        per = (34 + attention_scores) / t
+    else:
+        per = 10 + 24 / t + attention_scores / t
+    return scale * sbh * per
+
+
+def _norm_bytes(tokens: float, width: float, p: int, recompute: str) -> float:
+    if recompute == "selective":
+        return 2 * p * tokens * width  # input and output; the fp32 internals are recomputed
+    return (8 + p) * tokens * width + 4 * tokens + (4 * width if p != 4 else 0)
+
+
+def per_op_layer_activation_bytes(shape, layout: Layout, recompute: str | None = None) -> float:
+    """Bytes ultratron's Llama block saves for backward (see the module docstring for the count)."""
+    recompute = recompute or layout.recompute
+    p, t = layout.compute_bytes, layout.tp
+    tokens = _tokens(layout)
+    region = layout.tp if layout.sp else 1  # sequence parallel shards the norm regions
+    h, f = shape.dim, shape.ffn_dim
+    kv = shape.n_kv_heads * _head_dim(shape)
+    if recompute == "full":
+        return p * tokens * h / region
+    norms = 2 * _norm_bytes(tokens / region, h, p, recompute)
+    attention = p * tokens * (2 * h + 2 * kv) / t + 4 * tokens * shape.n_heads / t  # + log-sum-exp
+    if getattr(shape, "qk_norm", False):
+        # q_norm / k_norm run per head on the matmul outputs, which are otherwise not saved.
+        qk = (h + kv) / t
+        attention += p * tokens * qk if recompute == "selective" else 8 * tokens * qk + 4 * tokens * (
+            shape.n_heads + shape.n_kv_heads) / t + (8 * _head_dim(shape) if p != 4 else 0)
+    mlp = (3 if recompute == "selective" else 4) * p * tokens * f / t
+    return norms + attention + mlp
+
+
+def layer_activation_bytes(shape, layout: Layout, model: str = "per-op",
+                           recompute: str | None = None) -> float:
+    if model == "textbook":
+        return textbook_layer_activation_bytes(shape, layout, recompute)
+    return per_op_layer_activation_bytes(shape, layout, recompute)
+
+
+def in_flight_micro_batches(layout: Layout, stage: str) -> float:
+    """How many micro-batches' worth of a stage's activations are alive at once."""
+    m, p, v = layout.grad_acc, layout.pp, layout.virtual_stages
+    if p == 1:
+        return 1.0
+    if layout.pp_schedule == "afab":
+        return float(m)
+    if layout.pp_schedule == "1f1b":
+        return float(min(p, m)) if stage == "first" else 1.0
+    if stage == "first":  # interleaved (Korthikanti §4.2.3)
+        return min(float(m), p * (1 + (p - 1) / (p * v)))
+    return min(float(m), ((v - 1) * p + 1) / v)
+
+
+def _stage_params(shape, layout: Layout, stage: str) -> float:
+    counts = count_params_of(shape)
+    t = layout.tp
+    norms = 2 * shape.dim + (2 * _head_dim(shape) if getattr(shape, "qk_norm", False) else 0)
+    per_layer = (counts.per_layer - norms) / t + norms
+    layers = math.ceil(shape.n_layers / layout.pp)
+    params = layers * per_layer
+    if stage in ("only", "first"):
+        params += counts.embedding / t
+    if stage in ("only", "last"):
+        params += counts.final_norm
+        if counts.output or layout.pp > 1:  # a tied head needs its own copy on another stage
+            params += counts.embedding / t
+    return params
+
+
+def stage_parameter_count(shape, layout: Layout, stage: str) -> float:
+    """Parameters held (before ZeRO) by one GPU of the given pipeline stage."""
+    return _stage_params(shape, layout, stage)
+
+
+def _bytes_per_param(layout: Layout) -> tuple[int, int, int, int, int]:
+    """(param, grad, grad-accumulation buffer, master, optimizer) bytes per parameter."""
+    if layout.precision == "fp32":
+        return 4, 4, 0, 0, 8
+    return 2, 2, (4 if layout.fp32_grad_accum else 0), 4, 8
+
+
+def _stage_memory(shape, layout: Layout, stage: str, model: str) -> MemoryBreakdown:
+    params = _stage_params(shape, layout, stage)
+    b_param, b_grad, b_accum, b_master, b_optim = _bytes_per_param(layout)
+    n = layout.shard_group
+    shard = lambda level: n if layout.zero >= level else 1
+    p = layout.compute_bytes
+    tokens = _tokens(layout)
+    t = layout.tp
+    h = shape.dim
+    kv = shape.n_kv_heads * _head_dim(shape)
+
+    layers = math.ceil(shape.n_layers / layout.pp)
+    per_layer = layer_activation_bytes(shape, layout, model)
+    activations = per_layer * layers * in_flight_micro_batches(layout, stage)
+    loss_logits = 0.0
+    transient = 0.0
+    if stage in ("only", "first"):
+        activations += 8 * tokens  # int64 token ids kept by the embedding backward
+    if stage in ("only", "last"):
+        region_tokens = tokens / (t if layout.sp else 1)
+        if model == "per-op":  # the final norm is never inside a recomputed block
+            mode = "selective" if layout.recompute == "selective" else "none"
+            activations += _norm_bytes(region_tokens, h, p, mode)
+        else:
+            activations += 2 * p * region_tokens * h  # its input and output
+        loss_logits = 4 * tokens * shape.vocab_size / t + 8 * tokens  # log-probs and int64 targets
+        transient = (p + 4) * tokens * shape.vocab_size / t  # logits and their fp32 copy at the loss
+    if layout.recompute == "full":
+        transient += layer_activation_bytes(shape, layout, model, recompute="none")
+
+    comm = 0.0
+    if n > 1 and layout.zero < 3:
+        comm += 2 * DDP_BUCKET_BYTES
+    if n > 1 and layout.zero == 3:
+        layer_params = (count_params_of(shape).per_layer) / t
+        comm += 2 * layer_params * b_param + layer_params * 4  # two layers gathered, one reduce-scattered
+    if t > 1:
+        comm += 2 * p * tokens * h
+    if layout.pp > 1:
+        comm += 2 * p * tokens * h
+    if layout.cp > 1:
+        comm += 2 * p * tokens * 2 * kv / t
+    optimizer_temporaries = 4 * params / shard(1)
+    working = activations + loss_logits + transient
+    if optimizer_temporaries > working:
+        # The optimizer step runs after backward freed the activations: it sets the peak instead.
+        transient = optimizer_temporaries - activations - loss_logits
+
+    return MemoryBreakdown(
+        parameters=params * b_param / shard(3),
+        gradients=params * b_grad / shard(2),
+        grad_accum_buffer=params * b_accum / shard(2),
+        master_weights=params * b_master / shard(1),
+        optimizer_states=params * b_optim / shard(1),
+        activations=activations,
+        loss_logits=loss_logits,
+        comm_buffers=comm,
+        transient=max(transient, 0.0),
+        stage=stage,
+        extra={"params_on_gpu": params, "layers_on_stage": layers, "per_layer_activation_bytes": per_layer,
+               "in_flight_micro_batches": in_flight_micro_batches(layout, stage), "activation_model": model},
+    )
+
+
+def estimate_memory(shape, layout: Layout, activation_model: str = "per-op") -> MemoryBreakdown:
+    """Bytes on the heaviest GPU for one training step; raises UserError for an impossible layout."""
+    problems = check_layout(shape, layout)
+    if activation_model not in ACTIVATION_MODELS:
+        problems.append(f"activation model {activation_model!r} is not one of {', '.join(ACTIVATION_MODELS)}")
+    if problems:
+        raise UserError(problems)
+    if layout.pp == 1:
+        return _stage_memory(shape, layout, "only", activation_model)
+    first = _stage_memory(shape, layout, "first", activation_model)
+    last = _stage_memory(shape, layout, "last", activation_model)
+    return first if first.peak_bytes >= last.peak_bytes else last
+
+
+def with_updates(layout: Layout, **changes) -> Layout:
+    return replace(layout, **changes)

@@ -1,0 +1,96 @@
+from types import SimpleNamespace
+
+import pytest
+
+from ultratron.errors import UserError
+from ultratron.models.presets import PRESETS
+from ultratron.planning.memory import (
+    GiB,
+    Layout,
+    estimate_memory,
+    in_flight_micro_batches,
+    textbook_layer_activation_bytes,
+)
+from ultratron.planning.params import count_params_of
+
+# The textbook's assumptions: multi-head attention, a 4h MLP (GPT-3 / Megatron shapes).
+TEXTBOOK = SimpleNamespace(n_layers=32, dim=4096, n_heads=32, n_kv_heads=32, ffn_dim=4 * 4096,
+                           vocab_size=32_000, tie_embeddings=False)
+LLAMA8B = PRESETS["llama3-8b"]
+
+
+def test_textbook_activations_97_and_17_gib():
+    layout = Layout(seq=4096, mbs=1)
+    none = textbook_layer_activation_bytes(TEXTBOOK, layout) * 32 / GiB
+    selective = textbook_layer_activation_bytes(TEXTBOOK, layout, "selective") * 32 / GiB
+    assert none == pytest.approx(97.0, abs=0.05)
+    assert selective == pytest.approx(17.0, abs=0.05)
+    # The full estimate adds only the head's small terms on top of the 32 layers.
+    full_estimate = estimate_memory(TEXTBOOK, layout, "textbook").activations / GiB
+    assert 97.0 < full_estimate < 97.2
+
+
+def test_textbook_tp_sp_and_full_recompute_divisions():
+    def per_layer(**layout):
+        return textbook_layer_activation_bytes(TEXTBOOK, Layout(seq=4096, **layout))
+
+    sbh = 4096 * 4096
+    assert per_layer(recompute="selective") == 34 * sbh
+    assert per_layer(tp=8, recompute="selective") == sbh * (10 + 24 / 8)
+    assert per_layer(tp=8, sp=True, recompute="selective") == 34 * sbh / 8
+    assert per_layer(recompute="full") == 2 * sbh
+    assert per_layer(cp=4, recompute="selective") == 34 * sbh / 4
+
+
+def test_static_bytes_follow_zero_stages():
+    psi = count_params_of(LLAMA8B).total
+    expected = {0: 16 * psi, 1: (2 + 2 + 12 / 8) * psi, 2: (2 + 14 / 8) * psi, 3: 16 / 8 * psi}
+    for zero, want in expected.items():
+        got = estimate_memory(LLAMA8B, Layout(dp=8, zero=zero, seq=2048)).static_bytes
+        assert got == pytest.approx(want, rel=1e-12), zero
+    accum = estimate_memory(LLAMA8B, Layout(seq=2048, fp32_grad_accum=True)).static_bytes
+    assert accum == pytest.approx(20 * psi)
+    fp32 = estimate_memory(LLAMA8B, Layout(seq=2048, precision="fp32")).static_bytes
+    assert fp32 == pytest.approx(16 * psi)
+
+
+def test_tensor_and_pipeline_parallel_split_the_weights():
+    counts = count_params_of(LLAMA8B)
+    tp8 = estimate_memory(LLAMA8B, Layout(tp=8, seq=2048)).extra["params_on_gpu"]
+    norms = 32 * 2 * LLAMA8B.dim + LLAMA8B.dim  # replicated on every TP rank
+    assert tp8 == pytest.approx((counts.total - norms) / 8 + norms)
+    pp4 = estimate_memory(LLAMA8B, Layout(pp=4, grad_acc=8, seq=2048))
+    assert pp4.extra["layers_on_stage"] == 8
+    # The first stage holds 4 micro-batches in flight with 1F1B and wins over the last stage's head.
+    assert pp4.stage == "first" and pp4.extra["in_flight_micro_batches"] == 4
+
+
+def test_pipeline_schedules_in_flight():
+    assert in_flight_micro_batches(Layout(pp=4, grad_acc=16, pp_schedule="afab"), "first") == 16
+    assert in_flight_micro_batches(Layout(pp=4, grad_acc=16, pp_schedule="1f1b"), "first") == 4
+    assert in_flight_micro_batches(Layout(pp=4, grad_acc=16, pp_schedule="1f1b"), "last") == 1
+    assert in_flight_micro_batches(Layout(pp=4, grad_acc=2, pp_schedule="1f1b"), "first") == 2
+    interleaved = Layout(pp=4, grad_acc=16, pp_schedule="interleaved", virtual_stages=2)
+    assert in_flight_micro_batches(interleaved, "first") == pytest.approx(4 * (1 + 3 / 8))
+
+
+def test_gqa_swiglu_per_op_counts_less_than_textbook_mha():
+    # Flash attention keeps no s×s scores, so the per-op estimate sits far under the no-recompute textbook.
+    per_op = estimate_memory(LLAMA8B, Layout(seq=4096)).activations
+    textbook = estimate_memory(LLAMA8B, Layout(seq=4096), "textbook").activations
+    assert per_op < textbook / 2
+
+
+def test_bad_layouts_say_what_is_wrong():
+    with pytest.raises(UserError) as err:
+        estimate_memory(LLAMA8B, Layout(tp=3, pp=40, zero=4, recompute="some", cp=3, seq=4096))
+    text = "\n".join(err.value.problems)
+    assert "tp=3 does not divide n_heads=32" in text
+    assert "pp=40 exceeds n_layers=32" in text
+    assert "--zero must be 0, 1, 2 or 3" in text
+    assert "cp=3 does not divide the sequence length 4096" in text
+    assert "'some' is not one of none, selective, full" in text
+    with pytest.raises(UserError, match="interleaved needs --virtual-stages"):
+        estimate_memory(LLAMA8B, Layout(pp=2, pp_schedule="interleaved"))
+    with pytest.raises(UserError, match="mixture-of-experts"):
+        estimate_memory(LLAMA8B, Layout(ep=2))
