@@ -1,0 +1,173 @@
+"""Stage `read`: raw sources → JSONL parts, counting every unusable input with a reason.
+
+Sources: the built-in corpus (`builtin`), a directory or file of text (.txt/.md/.py…),
+JSONL (`text`, optional `id`, other fields carried along) and Parquet (a `text` column, optional
+`id`). Unlike `ultratron.data.sources` (which the trainer's short road uses and which stops at
+the first bad file), this reader never stops: invalid UTF-8, binary files, empty and oversized
+documents, malformed JSONL lines and bad Parquet rows are each logged as removed, with a reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from ultratron.data.pipeline import PartWriter, StageContext, part_done
+from ultratron.data.sources import BUILTIN_EXCLUDED_DIRS, _walk_files, builtin_corpus_root
+
+# An item is (id, record or None, reason or None, raw size in bytes, snippet for the report).
+Item = tuple[str, dict | None, str | None, int, str | None]
+
+
+def classify_bytes(raw: bytes, max_doc_bytes: int, control_fraction: float) -> tuple[str | None, str | None]:
+    """(text, None) for a usable document, else (None, reason)."""
+    if len(raw) > max_doc_bytes:
+        return None, "too_large"
+    if b"\x00" in raw:
+        return None, "binary"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "invalid_utf8"
+    if not text.strip():
+        return None, "empty"
+    controls = sum(1 for ch in text[:65536] if ord(ch) < 32 and ch not in "\t\n\r\f\v")
+    if controls > control_fraction * min(len(text), 65536):
+        return None, "binary"
+    return text, None
+
+
+def _iter_text_file(path: Path, doc_id: str, cfg) -> Iterator[Item]:
+    size = path.stat().st_size
+    if size > cfg.read.max_doc_bytes:  # never read a huge file into memory just to reject it
+        yield doc_id, None, "too_large", size, None
+        return
+    text, reason = classify_bytes(path.read_bytes(), cfg.read.max_doc_bytes, cfg.read.binary_control_fraction)
+    yield doc_id, ({"id": doc_id, "text": text} if text is not None else None), reason, size, None
+
+
+def _iter_jsonl(path: Path, prefix: str, cfg) -> Iterator[Item]:
+    with open(path, "rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            where = f"{prefix}:{line_no}"
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                yield where, None, "invalid_utf8", len(raw), None
+                continue
+            except json.JSONDecodeError:
+                yield where, None, "malformed_jsonl", len(raw), raw[:80].decode("utf-8", "replace")
+                continue
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                yield where, None, "bad_record", len(raw), raw[:80].decode("utf-8", "replace")
+                continue
+            yield from _checked(record, str(record.get("id", where)), cfg)
+
+
+def _checked(record: dict, doc_id: str, cfg) -> Iterator[Item]:
+    text = record["text"]
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > cfg.read.max_doc_bytes:
+        reason = "too_large"
+    elif "\x00" in text:
+        reason = "binary"
+    elif not text.strip():
+        reason = "empty"
+    else:
+        try:
+            text.encode("utf-8")
+            reason = None
+        except UnicodeEncodeError:  # lone surrogates from \udXXX escapes
+            reason = "invalid_utf8"
+    yield doc_id, ({**record, "id": doc_id} if reason is None else None), reason, size, None
+
+
+def _iter_parquet(path: Path, prefix: str, cfg) -> Iterator[Item]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow raises several types for a corrupt file
+        yield prefix, None, "bad_parquet", path.stat().st_size, str(err)[:120]
+        return
+    if "text" not in pf.schema_arrow.names:
+        yield prefix, None, "bad_parquet", path.stat().st_size, "no 'text' column"
+        return
+    row = 0
+    for batch in pf.iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            row += 1
+            where = f"{prefix}:{row}"
+            if not isinstance(record.get("text"), str):
+                yield where, None, "bad_record", 0, None
+                continue
+            yield from _checked(record, str(record.get("id") or where), cfg)
+
+
+def iter_source(source: str, cfg) -> Iterator[Item]:
+    """Every input item of `source` ("builtin", a file or a directory), in a fixed order."""
+    if source == "builtin":
+        root = builtin_corpus_root()
+        for path in _walk_files(root, (".py",), BUILTIN_EXCLUDED_DIRS):
+            yield from _iter_text_file(path, str(path.relative_to(root)), cfg)
+        return
+    root = Path(source)
+    if not root.exists():
+        from ultratron.errors import DataError
+
+        raise DataError(f"pipeline.input {source!r} does not exist (use 'builtin' for the built-in corpus)")
+    extensions = tuple(e.strip() for e in cfg.read.extensions.split(",") if e.strip())
+    files = [root] if root.is_file() else _walk_files(root, extensions)
+    for path in files:
+        rel = path.name if root.is_file() else str(path.relative_to(root))
+        if path.suffix == ".jsonl":
+            yield from _iter_jsonl(path, rel, cfg)
+        elif path.suffix == ".parquet":
+            yield from _iter_parquet(path, rel, cfg)
+        else:
+            yield from _iter_text_file(path, rel, cfg)
+
+
+def run_stage(ctx: StageContext) -> dict:
+    """Sequential by nature (one stream of sources); cuts it into parts of docs_per_part items."""
+    cfg = ctx.cfg
+    per_part = cfg.pipeline.docs_per_part
+    part_index, in_part, accepted_bytes = 0, 0, 0
+    writer: PartWriter | None = None
+    skipping = False
+
+    def open_part() -> tuple[PartWriter | None, bool]:
+        name = f"part-{part_index:05d}"
+        if part_done(ctx.out_dir, name):
+            return None, True
+        return PartWriter(ctx.out_dir, name), False
+
+    for doc_id, record, reason, size, snippet in iter_source(str(ctx.input), cfg):
+        if in_part == 0:
+            writer, skipping = open_part()
+        if record is not None:
+            accepted_bytes += len(record["text"].encode("utf-8"))
+        if not skipping:
+            if record is None:
+                writer.bad_input(doc_id, reason, size, snippet)
+            else:
+                writer.kept(record)
+        in_part += 1
+        if in_part == per_part:
+            if writer is not None:
+                writer.close()
+            writer, in_part, part_index = None, 0, part_index + 1
+        if cfg.read.max_bytes and accepted_bytes >= cfg.read.max_bytes:
+            break
+    if writer is not None:
+        writer.close()
+    if in_part == 0 and part_index == 0:
+        PartWriter(ctx.out_dir, "part-00000").close()  # an empty source still yields a (empty) part
+    return {"input": str(ctx.input)}
+
+
+def make_doc_fn(stage, cfg, side):  # pragma: no cover - `read` has no per-document map
+    raise NotImplementedError

@@ -1,0 +1,398 @@
+"""The curation pipeline's frame: parts, the JSONL stage interface, executors, resume, the run.
+
+Every stage reads a directory of JSONL *parts* (`part-00000.jsonl`, one JSON object per line
+with at least `id` and `text`; other fields are carried along) and writes a directory of the
+same parts, plus:
+
+- `_decisions/NAME.jsonl`: one line per input document: `{"id", "decision": "kept" |
+  "removed" | "modified", "reason", "cluster"}`;
+- `_stats/NAME.json`: the part's counts, written last, so its presence means the part is done;
+- `_DONE.json`: the stage's summary, written once every part is done.
+
+A part is the unit of parallel work and of resume: a rerun skips every part whose stats file
+exists, and every stage whose `_DONE.json` exists. Each file is written under a temporary name
+and renamed. Stages that need the whole corpus (the dedups, tokenizer training, percentiles)
+first build a small index in `_index/` (also per part where possible, also resumable).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ultratron.data.pipeline_config import DataPipelineConfig, from_dict, to_dict
+from ultratron.errors import DataError
+
+DONE = "_DONE.json"
+EXAMPLES_PER_REASON = 3
+SNIPPET_CHARS = 160
+
+# stage name → module that implements it (imported lazily: the perplexity stage pulls in torch)
+STAGE_MODULES = {
+    "read": "ultratron.data.ingest",
+    "normalize": "ultratron.data.normalize",
+    "exact-dedup": "ultratron.data.dedup",
+    "near-dedup": "ultratron.data.dedup",
+    "substring-dedup": "ultratron.data.substring",
+    "filter": "ultratron.data.filters",
+    "perplexity": "ultratron.data.perplexity",
+    "tokenize": "ultratron.data.tokenize_stage",
+    "shard": "ultratron.data.shard_stage",
+}
+
+
+# ---- files ----------------------------------------------------------------------------------
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def list_parts(path: str | Path) -> list[Path]:
+    """The JSONL parts of a stage directory, or a single JSONL file, in name order."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise DataError(f"stage input {str(path)!r} does not exist")
+    parts = sorted(p for p in path.glob("*.jsonl") if not p.name.startswith("_"))
+    if not parts:
+        raise DataError(f"{path}: no .jsonl parts found (is it the output of an earlier stage?)")
+    return parts
+
+
+def iter_records(path: Path) -> Iterator[tuple[int, dict | None, str | None]]:
+    """(line number, record, problem) per non-blank line; a bad line gives (n, None, reason)."""
+    with open(path, "rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield line_no, None, "invalid_utf8"
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                yield line_no, None, "malformed_jsonl"
+                continue
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                yield line_no, None, "bad_record"
+                continue
+            record["id"] = str(record.get("id", f"{path.stem}:{line_no}"))
+            yield line_no, record, None
+
+
+def n_bytes(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+# ---- per-part output and statistics -----------------------------------------------------------
+
+@dataclass
+class PartStats:
+    docs_in: int = 0
+    docs_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    tokens_out: int = 0
+    removed: Counter = field(default_factory=Counter)
+    modified: Counter = field(default_factory=Counter)
+    examples: dict[str, list[dict]] = field(default_factory=dict)
+
+    def example(self, reason: str, doc_id: str, text: str | None, detail: Any = None) -> None:
+        bucket = self.examples.setdefault(reason, [])
+        if len(bucket) < EXAMPLES_PER_REASON:
+            entry = {"id": doc_id, "snippet": (text or "")[:SNIPPET_CHARS]}
+            if detail is not None:
+                entry["detail"] = detail
+            bucket.append(entry)
+
+    def to_dict(self) -> dict:
+        return {"docs_in": self.docs_in, "docs_out": self.docs_out, "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out, "tokens_out": self.tokens_out,
+                "removed": dict(self.removed), "modified": dict(self.modified), "examples": self.examples}
+
+
+class PartWriter:
+    """Writes one output part, its decision log and (last) its stats, each atomically."""
+
+    def __init__(self, out_dir: Path, name: str):
+        self.out_dir, self.name = out_dir, name
+        for sub in ("_decisions", "_stats"):
+            (out_dir / sub).mkdir(parents=True, exist_ok=True)
+        self._tmp = out_dir / f"{name}.jsonl.tmp{os.getpid()}"
+        self._dtmp = out_dir / "_decisions" / f"{name}.jsonl.tmp{os.getpid()}"
+        self._out = open(self._tmp, "w", encoding="utf-8")
+        self._dec = open(self._dtmp, "w", encoding="utf-8")
+        self.stats = PartStats()
+        self._started = time.perf_counter()
+
+    def bad_input(self, doc_id: str, reason: str, raw_size: int = 0, snippet: str | None = None) -> None:
+        """An input line/file that is not a usable document."""
+        self.stats.docs_in += 1
+        self.stats.bytes_in += raw_size
+        self.stats.removed[reason] += 1
+        self.stats.example(reason, doc_id, snippet)
+        self._log(doc_id, "removed", reason)
+
+    def removed(self, record: dict, reason: str, cluster: str | None = None, detail: Any = None) -> None:
+        self.stats.docs_in += 1
+        self.stats.bytes_in += n_bytes(record["text"])
+        self.stats.removed[reason] += 1
+        self.stats.example(reason, record["id"], record["text"], detail)
+        self._log(record["id"], "removed", reason, cluster, detail)
+
+    def kept(self, record: dict, bytes_in: int | None = None, reason: str | None = None, detail: Any = None,
+             cluster: str | None = None) -> None:
+        """`reason` set: the document was kept but its text was changed (e.g. spans removed)."""
+        text_bytes = n_bytes(record["text"])
+        self.stats.docs_in += 1
+        self.stats.bytes_in += text_bytes if bytes_in is None else bytes_in
+        self.stats.docs_out += 1
+        self.stats.bytes_out += text_bytes
+        self.stats.tokens_out += len(record.get("tokens", ()))
+        if reason:
+            self.stats.modified[reason] += 1
+            self.stats.example(reason, record["id"], record["text"], detail)
+        self._log(record["id"], "modified" if reason else "kept", reason, cluster, detail)
+        self._out.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def _log(self, doc_id: str, decision: str, reason: str | None, cluster: str | None = None,
+             detail: Any = None) -> None:
+        entry = {"id": doc_id, "decision": decision, "reason": reason, "cluster": cluster}
+        if detail is not None:
+            entry["detail"] = detail
+        self._dec.write(json.dumps(entry, ensure_ascii=False) + "\n")
+
+    def close(self, extra: dict | None = None) -> dict:
+        self._out.close()
+        self._dec.close()
+        os.replace(self._dtmp, self.out_dir / "_decisions" / f"{self.name}.jsonl")
+        os.replace(self._tmp, self.out_dir / f"{self.name}.jsonl")
+        stats = self.stats.to_dict() | {"seconds": time.perf_counter() - self._started, "pid": os.getpid()}
+        if extra:
+            stats |= extra
+        write_json(self.out_dir / "_stats" / f"{self.name}.json", stats)
+        _maybe_die_for_test()
+        return stats
+
+
+def part_done(out_dir: Path, name: str) -> bool:
+    return (out_dir / "_stats" / f"{name}.json").is_file() and (out_dir / f"{name}.jsonl").is_file()
+
+
+_parts_written = 0
+
+
+def _maybe_die_for_test() -> None:
+    """Test hook for the resume test: ULTRATRON_DATA_KILL_AFTER_PARTS=N SIGKILLs this process
+    after its N-th finished part (a real kill: no cleanup, no exception handlers)."""
+    global _parts_written
+    limit = os.environ.get("ULTRATRON_DATA_KILL_AFTER_PARTS")
+    if not limit:
+        return
+    _parts_written += 1
+    if _parts_written >= int(limit):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---- per-document map over parts --------------------------------------------------------------
+
+# A document function returns (record or None, reason, cluster, detail): None removes the
+# document for `reason`; a record with a reason is kept but modified.
+DocResult = tuple[dict | None, str | None, str | None, Any]
+
+
+@dataclass
+class PartTask:
+    stage: str
+    cfg: dict  # the config as plain data, so tasks pickle to processes and Ray workers
+    in_path: str
+    out_dir: str
+    name: str
+    side: Any = None  # per-part data from the stage's global phase (e.g. which documents to drop)
+
+
+def process_part(task: PartTask) -> dict:
+    """Run a stage's document function over one part. Top-level, so processes and Ray can call it."""
+    cfg = from_dict(task.cfg)
+    module = importlib.import_module(STAGE_MODULES[task.stage])
+    doc_fn: Callable[[dict, int], DocResult] = module.make_doc_fn(task.stage, cfg, task.side)
+    writer = PartWriter(Path(task.out_dir), task.name)
+    index = 0
+    for line_no, record, problem in iter_records(Path(task.in_path)):
+        if record is None:
+            writer.bad_input(f"{task.name}:{line_no}", problem)
+            continue
+        before = n_bytes(record["text"])
+        out, reason, cluster, detail = doc_fn(record, index)
+        index += 1
+        if out is None:
+            writer.removed(record, reason, cluster, detail)
+        else:
+            writer.kept(out, bytes_in=before, reason=reason, detail=detail, cluster=cluster)
+    return writer.close()
+
+
+# ---- executors ----------------------------------------------------------------------------------
+
+class Executor:
+    """Maps a picklable top-level function over tasks, results in task order."""
+
+    def map(self, fn: Callable, tasks: list, desc: str = "") -> list:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class LocalExecutor(Executor):
+    def __init__(self, workers: int = 1, progress: bool = False):
+        self.workers = workers or os.cpu_count() or 1
+        self.progress = progress
+
+    def map(self, fn: Callable, tasks: list, desc: str = "") -> list:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(tasks), desc=desc, unit="part", disable=not self.progress or not tasks)
+        if self.workers <= 1 or len(tasks) <= 1:
+            results = []
+            for task in tasks:
+                results.append(fn(task))
+                bar.update()
+            bar.close()
+            return results
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # fork: workers inherit the imported modules, so a part starts in milliseconds. The
+        # driver never starts threads before this point (torch is imported only by the
+        # perplexity stage, which scores in the driver).
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(max_workers=min(self.workers, len(tasks)), mp_context=ctx) as pool:
+            futures = [pool.submit(fn, task) for task in tasks]
+            for fut in futures:
+                fut.add_done_callback(lambda _f: bar.update())
+            results = [f.result() for f in futures]
+        bar.close()
+        return results
+
+
+def make_executor(cfg: DataPipelineConfig) -> Executor:
+    if cfg.pipeline.executor == "ray":
+        from ultratron.data.ray_runner import RayExecutor
+
+        return RayExecutor(cfg.pipeline.ray_address, progress=cfg.pipeline.progress)
+    return LocalExecutor(cfg.pipeline.workers, cfg.pipeline.progress)
+
+
+# ---- stages ----------------------------------------------------------------------------------------
+
+@dataclass
+class StageContext:
+    stage: str
+    cfg: DataPipelineConfig
+    input: Path  # the previous stage's directory (or, for read, the raw source)
+    out_dir: Path
+    executor: Executor
+
+    @property
+    def index_dir(self) -> Path:
+        path = self.out_dir / "_index"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def parts(self) -> list[Path]:
+        return list_parts(self.input)
+
+    def map_parts(self, sides: dict[str, Any] | None = None) -> None:
+        """Run this stage's document function over every input part not yet done."""
+        cfg = to_dict(self.cfg)
+        tasks = [PartTask(self.stage, cfg, str(p), str(self.out_dir), p.stem, (sides or {}).get(p.stem))
+                 for p in self.parts() if not part_done(self.out_dir, p.stem)]
+        self.executor.map(process_part, tasks, desc=self.stage)
+
+
+def summarize(out_dir: Path) -> dict:
+    """A stage's totals from its parts' stats files."""
+    total = PartStats()
+    seconds = 0.0
+    n_parts = 0
+    for path in sorted((out_dir / "_stats").glob("*.json")):
+        s = json.loads(path.read_text(encoding="utf-8"))
+        n_parts += 1
+        for key in ("docs_in", "docs_out", "bytes_in", "bytes_out", "tokens_out"):
+            setattr(total, key, getattr(total, key) + s[key])
+        total.removed.update(s["removed"])
+        total.modified.update(s["modified"])
+        for reason, items in s["examples"].items():
+            for item in items:
+                total.example(reason, item["id"], item["snippet"], item.get("detail"))
+        seconds += s.get("seconds", 0.0)
+    return total.to_dict() | {"parts": n_parts, "part_seconds": seconds}
+
+
+def run_stage(stage: str, cfg: DataPipelineConfig, input_path: str | Path, out_dir: str | Path,
+              executor: Executor | None = None) -> dict:
+    """Run one stage (resuming any finished parts) and return its summary (also in _DONE.json)."""
+    out_dir = Path(out_dir)
+    done = out_dir / DONE
+    if done.is_file():
+        return json.loads(done.read_text(encoding="utf-8"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    own_executor = executor is None
+    executor = executor or make_executor(cfg)
+    started = time.perf_counter()
+    try:
+        module = importlib.import_module(STAGE_MODULES[stage])
+        ctx = StageContext(stage, cfg, Path(input_path), out_dir, executor)
+        extra = module.run_stage(ctx) or {}
+    finally:
+        if own_executor:
+            executor.close()
+    summary = {"stage": stage} | summarize(out_dir) | extra | {"wall_seconds": time.perf_counter() - started}
+    write_json(done, summary)
+    return summary
+
+
+def stage_dirs(cfg: DataPipelineConfig) -> list[tuple[str, Path]]:
+    out = Path(cfg.pipeline.output)
+    return [(stage, out / f"{i:02d}-{stage}") for i, stage in enumerate(cfg.pipeline.stages)]
+
+
+def run_pipeline(cfg: DataPipelineConfig, log: Callable[[str], None] = print) -> dict:
+    """Every configured stage in order, resuming finished work; writes the report and decision log."""
+    from ultratron.data.report import write_report
+
+    out = Path(cfg.pipeline.output)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "config.json", to_dict(cfg))
+    executor = make_executor(cfg)
+    summaries = []
+    previous: Path | str = cfg.pipeline.input
+    try:
+        for stage, stage_dir in stage_dirs(cfg):
+            resumed = (stage_dir / DONE).is_file()
+            summary = run_stage(stage, cfg, previous, stage_dir, executor)
+            summaries.append(summary)
+            log(f"data: {stage:<16} {summary['docs_in']:>8} → {summary['docs_out']:>8} documents"
+                + ("  (done earlier)" if resumed else f"  {summary['wall_seconds']:.1f}s"))
+            previous = stage_dir
+    finally:
+        executor.close()
+    return write_report(cfg, summaries, log=log)

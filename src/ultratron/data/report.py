@@ -1,0 +1,79 @@
+"""The run's report (`report.json` and `report.md`) and the merged per-document decision log.
+
+`decisions.jsonl` holds, for every document that any stage removed or changed, one line per
+such stage (`stage`, `decision`, `reason`, `cluster`, `detail`), and one `kept` line for each
+document in the final output, so that every input document's fate can be looked up by id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from ultratron.data.pipeline import list_parts, stage_dirs, write_json, write_text_atomic
+
+
+def format_table(summaries: list[dict]) -> str:
+    header = ("| stage | docs in | docs out | MB in | MB out | tokens out | removed (top reasons) |\n"
+              "|---|---:|---:|---:|---:|---:|---|")
+    rows = []
+    for s in summaries:
+        reasons = sorted(s["removed"].items(), key=lambda kv: -kv[1])
+        top = ", ".join(f"{r} {n}" for r, n in reasons[:4]) + (" …" if len(reasons) > 4 else "")
+        modified = sum(s["modified"].values())
+        if modified:
+            top += f"{'; ' if top else ''}modified {modified}"
+        rows.append(f"| {s['stage']} | {s['docs_in']} | {s['docs_out']} | {s['bytes_in'] / 1e6:.2f} | "
+                    f"{s['bytes_out'] / 1e6:.2f} | {s['tokens_out']} | {top} |")
+    return "\n".join([header, *rows])
+
+
+def merge_decisions(cfg, out_path: Path) -> int:
+    """Write the merged decision log; returns its number of lines."""
+    tmp = out_path.with_name(out_path.name + f".tmp{os.getpid()}")
+    lines = 0
+    dirs = stage_dirs(cfg)
+    with open(tmp, "w", encoding="utf-8") as out:
+        for stage, stage_dir in dirs:
+            for path in sorted((stage_dir / "_decisions").glob("*.jsonl")):
+                with open(path, encoding="utf-8") as fh:
+                    for line in fh:
+                        entry = json.loads(line)
+                        if entry["decision"] == "kept":
+                            continue
+                        out.write(json.dumps({"stage": stage, **entry}, ensure_ascii=False) + "\n")
+                        lines += 1
+        if dirs:
+            last_stage, last_dir = dirs[-1]
+            for part in list_parts(last_dir):
+                with open(part, encoding="utf-8") as fh:
+                    for line in fh:
+                        doc_id = json.loads(line)["id"]
+                        out.write(json.dumps({"stage": "final", "id": doc_id, "decision": "kept",
+                                             "reason": None, "cluster": None}) + "\n")
+                        lines += 1
+    os.replace(tmp, out_path)
+    return lines
+
+
+def write_report(cfg, summaries: list[dict], log: Callable[[str], None] = print) -> dict:
+    out = Path(cfg.pipeline.output)
+    report = {"input": cfg.pipeline.input, "stages": summaries,
+              "final": {k: summaries[-1][k] for k in ("docs_out", "bytes_out")} if summaries else {},
+              "decisions": str(out / "decisions.jsonl")}
+    for s in summaries:
+        if s["stage"] == "shard":
+            report["trainer_data_path"] = s["trainer_data_path"]
+        if s["stage"] == "tokenize":
+            report["tokenizer_audit_warnings"] = s["audit_warnings"]
+    report["decision_lines"] = merge_decisions(cfg, out / "decisions.jsonl")
+    table = format_table(summaries)
+    write_json(out / "report.json", report)
+    write_text_atomic(out / "report.md", "# Data curation report\n\n" + table + "\n")
+    log(table)
+    for warning in report.get("tokenizer_audit_warnings", []):
+        log(f"data: tokenizer audit warning: {warning}")
+    log(f"data: report {out / 'report.json'}, decisions {out / 'decisions.jsonl'}")
+    return report

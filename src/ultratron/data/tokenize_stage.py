@@ -1,0 +1,73 @@
+"""Stage `tokenize`: load or train the tokenizer, audit it, add `tokens` to every document.
+
+The tokenizer (and `audit.json`) go into the stage directory, where the `shard` stage (or
+`ultratron data shard --input`) finds it. Training streams the stage input up to
+`tokenize.train_bytes`; the trained tokenizer is saved before any part is encoded, so a rerun
+after a crash encodes with the same tokenizer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+
+from ultratron.data.pipeline import StageContext, iter_records, write_json
+
+TOKENIZER_FILE = "tokenizer.json"
+AUDIT_FILE = "audit.json"
+AUDIT_SAMPLE_DOCS = 200
+
+
+def _texts(parts: list[Path], max_bytes: int) -> Iterator[str]:
+    seen = 0
+    for part in parts:
+        for _, record, _problem in iter_records(part):
+            if record is None:
+                continue
+            yield record["text"]
+            seen += len(record["text"].encode("utf-8"))
+            if max_bytes and seen >= max_bytes:
+                return
+
+
+@functools.lru_cache(maxsize=2)
+def _load(path: str):
+    from ultratron.data.tokenizer import Tokenizer
+
+    return Tokenizer.load(path)
+
+
+def make_doc_fn(stage, cfg, side):
+    tokenizer = _load(side)
+
+    def fn(record: dict, index: int):
+        return {**record, "tokens": tokenizer.encode(record["text"])}, None, None, None
+
+    return fn
+
+
+def run_stage(ctx: StageContext) -> dict:
+    from ultratron.data.audit import audit_tokenizer
+    from ultratron.data.tokenizer import Tokenizer, train_tokenizer
+    from ultratron.errors import DataError
+
+    t = ctx.cfg.tokenize
+    parts = ctx.parts()
+    path = ctx.out_dir / TOKENIZER_FILE
+    if not path.is_file():
+        if t.tokenizer:
+            tokenizer = Tokenizer.load(t.tokenizer)
+        else:
+            if next(_texts(parts, 1), None) is None:
+                raise DataError(f"{ctx.input}: no documents left to train a tokenizer on")
+            tokenizer = train_tokenizer(_texts(parts, t.train_bytes), t.vocab_size)
+        tokenizer.save(path)
+    tokenizer = Tokenizer.load(path)
+    sample = [text for _, text in zip(range(AUDIT_SAMPLE_DOCS), _texts(parts, 0), strict=False)]
+    audit = audit_tokenizer(tokenizer, sample, t.poor_compression_ratio)
+    write_json(ctx.out_dir / AUDIT_FILE, audit)
+    ctx.map_parts({p.stem: str(path) for p in parts})
+    return {"tokenizer": str(path), "tokenizer_sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
+            "audit_warnings": audit["warnings"], "audit_round_trip": audit["all_round_trip"],
+            "audit_unknown_tokens": audit["unknown_tokens"]}
