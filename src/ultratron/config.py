@@ -69,6 +69,9 @@ class TrainingConfig:
     recompute: str = "none"  # "none" | "selective" | "full"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     threads: int = 0  # torch intra-op threads on CPU; 0 keeps torch's default
+    # Stop (with a checkpoint) after this many steps of this invocation, e.g. to fit a job's
+    # time limit; the schedule still follows `steps`. 0: run to `steps`.
+    stop_after: int = 0
     log_interval: int = 1
     sample_tokens: int = 120  # a short sample at the end; 0 disables
     progress: bool = True

@@ -1,0 +1,90 @@
+import pytest
+
+from conftest import run_cli
+from ultratron.config import Config, ConfigError, load_config, to_toml
+
+
+def problems_of(overrides) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    return info.value.problems
+
+
+def test_defaults_resolve_the_tiny_preset():
+    cfg = load_config()
+    assert cfg.model.dim == 256 and cfg.model.vocab_size == 4096
+    assert cfg.grad_accum_steps == 8192 // (8 * 256)
+
+
+def test_explicit_fields_override_the_preset():
+    cfg = load_config(None, ["--model.preset", "llama3-8b", "--model.n_layers=2", "--training.seq_len", "128"])
+    assert cfg.model.n_layers == 2 and cfg.model.dim == 4096 and cfg.model.n_kv_heads == 8
+
+
+def test_unknown_field_suggests_the_right_one():
+    [line] = problems_of(["--training.stpes", "10"])
+    assert "training.stpes" in line and "did you mean 'steps'" in line
+
+
+def test_unknown_section_suggests_the_right_one():
+    [line] = problems_of(["--trainig.steps", "10"])
+    assert "did you mean 'training'" in line
+
+
+def test_wrong_type_names_the_field():
+    [line] = problems_of(["--training.steps", "ten"])
+    assert line == "training.steps: expected an integer, got 'ten'"
+
+
+def test_batch_arithmetic_is_checked_with_a_suggestion():
+    [line] = problems_of(["--training.batch_tokens", "5000"])
+    assert "training.batch_tokens=5000" in line and "8 × 256 × 1 = 2048" in line and "try 4096" in line
+
+
+def test_heads_not_divisible_by_kv_heads():
+    [line] = problems_of(["--model.n_kv_heads", "3"])
+    assert "model.n_kv_heads=3 does not divide model.n_heads=8" in line
+
+
+def test_tensor_parallel_must_divide_heads():
+    [line] = problems_of(["--parallel.tp", "3"])
+    assert "parallel.tp=3 does not divide model.n_heads=8" in line
+
+
+def test_several_problems_are_reported_together():
+    lines = problems_of(["--training.precision", "fp8", "--optim.schedule", "linear"])
+    assert len(lines) == 2 and any("fp8" in x for x in lines) and any("linear" in x for x in lines)
+
+
+def test_toml_file_round_trip(tmp_path):
+    cfg = load_config(None, ["--training.steps", "7", "--optim.lr", "0.01", "--run.dir", "x y"])
+    path = tmp_path / "run.toml"
+    path.write_text(to_toml(cfg))
+    again = load_config(path)
+    assert again == cfg
+
+
+def test_toml_file_with_unknown_key(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[optim]\nlearning_rate = 0.1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "unknown config field 'optim.learning_rate'" in info.value.problems[0]
+
+
+def test_bad_config_on_the_command_line_gives_one_line_and_no_traceback():
+    for args, expected in [
+        (["--training.stpes", "3"], "did you mean 'steps'"),
+        (["--training.steps", "many"], "training.steps: expected an integer"),
+        (["--training.batch_tokens", "1000"], "is not divisible by micro_batch_size × seq_len"),
+        (["--model.n_kv_heads", "3"], "does not divide model.n_heads"),
+    ]:
+        result = run_cli("train", *args)
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr
+        lines = [x for x in result.stderr.splitlines() if x.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.stderr
+
+
+def test_config_is_a_plain_dataclass_tree():
+    assert set(vars(Config())) == {"model", "parallel", "training", "optim", "data", "checkpoint", "eval", "run"}
