@@ -1,0 +1,357 @@
+"""Search for the fastest parallel layout that fits: enumerate, check memory, estimate step time, rank.
+
+Cost model (per optimizer step, every GPU busy in lock-step; constants are the `SearchSpec` fields):
+  compute   global tokens × training FLOPs/token (flops.py) ÷ (GPUs × dense peak × efficiency),
+            where efficiency = `efficiency` (what large matmuls reach) × T/(T+256) × w/(w+256)
+            for the local matmul sizes (T = tokens of a micro-batch on the GPU, w = dim/tp): small
+            matmuls run far below peak, which is what makes over-splitting slow. Full recompute
+            adds one forward (+1/3), selective 2 % (its recomputed norms and SwiGLU products are
+            memory-bound elementwise work, no matmuls).
+  TP        per layer and micro-batch 4 all-reduces (2 forward, 2 backward; 6 with full recompute)
+            of p·T·h bytes, each moving 2(t−1)/t of it over the intra-node link; not overlapped.
+            (With SP: 4 all-gathers + 4 reduce-scatters, the same bytes.)
+  CP        ring attention passes K and V (p·T·2kv/t) cp−1 times forward and twice that backward,
+            hidden behind the attention's own compute up to the overlap fraction.
+  PP        each micro-batch sends its activations forward and gradients back (p·T·h each, v times
+            when interleaved), not overlapped; the bubble stretches the pipelined part by (p−1)/(v·m).
+  DP/ZeRO   ZeRO-0/1/2: one all-reduce (or reduce-scatter + all-gather) of the gradients per step,
+            2(n−1)/n × params × grad bytes, overlapped with the last micro-batch's backward;
+            ZeRO-3 (FSDP): per micro-batch, parameters all-gathered for forward and backward and
+            gradients reduce-scattered (≈ 1.5× the DP volume each time), overlapped with compute.
+  Links: a group whose ranks fit in one node (ranks ordered tp, cp, dp, pp — tp innermost) uses
+  the intra-node bandwidth, otherwise the per-GPU inter-node bandwidth. Every collective also
+  pays a latency (10 µs inside a node, 30 µs across nodes — assumed, typical NCCL small-message
+  figures), which is what many tiny collectives of a fine split cost.
+Rank by tokens/s per GPU (the same order as MFU); ties go to the layout with less memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ultratron.errors import UserError
+from ultratron.planning.flops import training_flops_per_token
+from ultratron.planning.hardware import Accelerator
+from ultratron.planning.memory import GiB, Layout, MemoryBreakdown, estimate_memory
+from ultratron.planning.params import count_params_of
+
+SELECTIVE_RECOMPUTE_OVERHEAD = 0.02
+MATMUL_HALF_SIZE = 256  # a matmul dimension of this size reaches half the large-matmul efficiency
+LATENCY_INTRA_S = 10e-6
+LATENCY_INTER_S = 30e-6
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    shape: object  # a ModelShape or anything with its fields
+    accelerator: Accelerator
+    n_gpus: int
+    gpus_per_node: int
+    global_batch_tokens: int
+    seq: int
+    precision: str = "bf16"
+    headroom: float = 0.10  # fraction of GPU memory left free (allocator fragmentation, CUDA context)
+    efficiency: float = 0.6  # fraction of the dense peak large matmuls reach
+    overlap: float = 0.8  # fraction of overlappable communication the compute hides
+    activation_model: str = "per-op"
+    max_mbs: int = 16
+    max_cp: int = 8
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.accelerator.memory_bytes * (1 - self.headroom)
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: MemoryBreakdown
+    compute_s: float = 0.0
+    tp_comm_s: float = 0.0
+    cp_exposed_s: float = 0.0
+    pp_comm_s: float = 0.0
+    bubble_s: float = 0.0
+    dp_comm_s: float = 0.0
+    dp_exposed_s: float = 0.0
+    step_s: float = 0.0
+    tokens_per_s_per_gpu: float = 0.0
+    mfu: float = 0.0
+    reasons: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {
+            "layout": self.layout.__dict__, "describe": self.layout.describe(),
+            "peak_bytes": self.memory.peak_bytes, "memory": self.memory.as_dict(),
+            "compute_s": self.compute_s, "tp_comm_s": self.tp_comm_s, "cp_exposed_s": self.cp_exposed_s,
+            "pp_comm_s": self.pp_comm_s, "bubble_s": self.bubble_s, "dp_comm_s": self.dp_comm_s,
+            "dp_exposed_s": self.dp_exposed_s, "step_s": self.step_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu, "reasons": self.reasons,
+        }
+
+
+@dataclass
+class SearchResult:
+    spec: SearchSpec
+    ranked: list[Estimate]
+    considered: int
+    too_big: int
+    closest: Estimate | None  # the smallest peak among layouts that do not fit
+    summary: list[str]
+
+    @property
+    def best(self) -> Estimate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(0, int(math.log2(max(limit, 1))) + 1)]
+
+
+def _bandwidth(spec: SearchSpec, span: int) -> float:
+    """Per-GPU bandwidth for a group whose ranks spread over `span` consecutive GPUs."""
+    return spec.accelerator.intra_node_bw if span <= spec.gpus_per_node else spec.accelerator.inter_node_bw
+
+
+def _latency(spec: SearchSpec, span: int) -> float:
+    return LATENCY_INTRA_S if span <= spec.gpus_per_node else LATENCY_INTER_S
+
+
+def _size_factor(size: float) -> float:
+    return size / (size + MATMUL_HALF_SIZE)
+
+
+def enumerate_layouts(spec: SearchSpec):
+    """Every layout the search considers (valid shapes; memory not yet checked)."""
+    shape = spec.shape
+    n, node = spec.n_gpus, spec.gpus_per_node
+    sequences = spec.global_batch_tokens // spec.seq
+    for tp in _powers_of_two(node):
+        if n % tp or shape.n_heads % tp or shape.n_kv_heads % tp:
+            continue
+        for cp in _powers_of_two(spec.max_cp):
+            if (n // tp) % cp or spec.seq % cp:
+                continue
+            for pp in _divisors(n // (tp * cp)):
+                if pp > shape.n_layers or shape.n_layers % pp:
+                    continue
+                dp = n // (tp * cp * pp)
+                if sequences % dp:
+                    continue
+                per_rank = sequences // dp
+                schedules = [("1f1b", 1)] if pp == 1 else [("afab", 1), ("1f1b", 1)] + [
+                    ("interleaved", v) for v in (2, 4) if shape.n_layers % (pp * v) == 0]
+                for mbs in _powers_of_two(min(per_rank, spec.max_mbs)):
+                    if per_rank % mbs:
+                        continue
+                    grad_acc = per_rank // mbs
+                    for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
+                        for recompute in ("none", "selective", "full"):
+                            for schedule, v in schedules:
+                                if schedule == "interleaved" and grad_acc % pp:
+                                    continue
+                                yield Layout(dp=dp, zero=zero, tp=tp, sp=tp > 1, pp=pp, pp_schedule=schedule,
+                                             virtual_stages=v, cp=cp, mbs=mbs, grad_acc=grad_acc, seq=spec.seq,
+                                             recompute=recompute, precision=spec.precision)
+
+
+def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | None = None) -> Estimate:
+    """Step time, tokens/s/GPU and MFU of one layout under the cost model in the module docstring."""
+    shape, acc = spec.shape, spec.accelerator
+    memory = memory or estimate_memory(shape, layout, spec.activation_model)
+    counts = count_params_of(shape)
+    peak = acc.flops[spec.precision]
+    model_flops_per_token = training_flops_per_token(
+        counts, vocab_size=shape.vocab_size, dim=shape.dim, n_layers=shape.n_layers, seq_len=layout.seq)
+    hardware_factor = {"none": 1.0, "selective": 1.0 + SELECTIVE_RECOMPUTE_OVERHEAD, "full": 4 / 3}[
+        layout.recompute]
+    tokens = spec.global_batch_tokens
+    micro_tokens = layout.mbs * layout.seq / layout.cp
+    h = shape.dim
+    efficiency = spec.efficiency * _size_factor(micro_tokens) * _size_factor(h / layout.tp)
+    compute = tokens * model_flops_per_token * hardware_factor / (spec.n_gpus * peak * efficiency)
+    m = layout.grad_acc
+    per_micro = compute / m
+    p = layout.compute_bytes
+    layers = shape.n_layers / layout.pp
+    kv = shape.n_kv_heads * (shape.dim // shape.n_heads)
+
+    tp_comm = 0.0
+    if layout.tp > 1:
+        collectives = 6 if layout.recompute == "full" else 4
+        volume = 2 * (layout.tp - 1) / layout.tp * p * micro_tokens * h
+        tp_comm = m * layers * collectives * (volume / acc.intra_node_bw + LATENCY_INTRA_S)
+    cp_exposed = 0.0
+    if layout.cp > 1:
+        span = layout.tp * layout.cp
+        hops = 3 * (layout.cp - 1)
+        chunk = p * micro_tokens * 2 * kv / layout.tp
+        ring_s = m * layers * hops * (chunk / _bandwidth(spec, span) + _latency(spec, span))
+        attention_share = 12 * shape.n_layers * h * layout.seq / model_flops_per_token
+        cp_exposed = max(0.0, ring_s - spec.overlap * compute * attention_share)
+    pp_comm = 0.0
+    if layout.pp > 1:
+        span = 2 * layout.tp * layout.cp * layout.dp  # two neighbouring stages
+        sends = m * layout.virtual_stages * 2
+        pp_comm = sends * (p * micro_tokens * h / _bandwidth(spec, span) + _latency(spec, span))
+    bubble_fraction = (layout.pp - 1) / (layout.virtual_stages * m)
+    pipelined = compute + tp_comm + cp_exposed + pp_comm
+    bubble = pipelined * bubble_fraction
+
+    group = layout.dp * layout.cp
+    dp_comm = dp_exposed = 0.0
+    if group > 1:
+        params = memory.extra["params_on_gpu"]
+        grad_bytes = 4 if (layout.precision == "fp32" or layout.fp32_grad_accum) else 2
+        span = layout.tp * group
+        link, latency = _bandwidth(spec, span), _latency(spec, span)
+        ring = (group - 1) / group
+        if layout.zero < 3:  # bucketed: one collective per ~25 MB bucket
+            dp_comm = 2 * ring * params * grad_bytes / link + latency * params * grad_bytes / 25e6
+            dp_exposed = max(0.0, dp_comm - spec.overlap * per_micro * 2 / 3)
+        else:  # per layer: gather for forward, gather for backward, reduce-scatter
+            dp_comm = m * (ring * params * (2 * p + grad_bytes) / link + 3 * layers * latency)
+            dp_exposed = max(0.0, dp_comm - spec.overlap * compute)
+    step = pipelined + bubble + dp_exposed
+    tokens_per_s_per_gpu = tokens / step / spec.n_gpus
+    est = Estimate(layout, memory, compute, tp_comm, cp_exposed, pp_comm, bubble, dp_comm, dp_exposed, step,
+                   tokens_per_s_per_gpu, tokens_per_s_per_gpu * model_flops_per_token / peak)
+    est.reasons = _reasons(spec, est, bubble_fraction)
+    return est
+
+
+def _reasons(spec: SearchSpec, est: Estimate, bubble_fraction: float) -> list[str]:
+    mem, lay = est.memory, est.layout
+    reasons = [
+        f"fits: {mem.peak_bytes / GiB:.1f} GiB of {spec.usable_bytes / GiB:.1f} GiB usable "
+        f"({spec.headroom:.0%} headroom) — model states {mem.static_bytes / GiB:.1f}, "
+        f"activations {(mem.activations + mem.loss_logits) / GiB:.1f}, "
+        f"other {(mem.comm_buffers + mem.transient) / GiB:.1f}",
+        f"step {est.step_s:.2f} s = compute {est.compute_s:.2f} + TP {est.tp_comm_s:.2f} "
+        f"+ CP {est.cp_exposed_s:.2f} "
+        f"+ PP p2p {est.pp_comm_s:.2f} + bubble {est.bubble_s:.2f} ({bubble_fraction:.0%}) "
+        f"+ DP exposed {est.dp_exposed_s:.2f} (of {est.dp_comm_s:.2f})",
+    ]
+    overheads = {"tensor-parallel all-reduces": est.tp_comm_s, "context-parallel ring": est.cp_exposed_s,
+                 "pipeline bubble": est.bubble_s + est.pp_comm_s, "data-parallel sync": est.dp_exposed_s}
+    worst, worst_s = max(overheads.items(), key=lambda kv: kv[1])
+    if worst_s > 0.01 * est.step_s:
+        reasons.append(f"largest overhead: {worst} ({worst_s / est.step_s:.0%} of the step)")
+    else:
+        reasons.append("communication is hidden: the step is compute-bound")
+    if lay.recompute != "none":
+        reasons.append(f"recompute={lay.recompute}: without it the activations do not fit at this micro-batch"
+                       if lay.recompute == "full" else f"recompute={lay.recompute} trades ~2% time for memory")
+    if lay.zero:
+        sharded = {1: "optimizer state", 2: "optimizer state and grads", 3: "all model states"}[lay.zero]
+        reasons.append(f"ZeRO-{lay.zero} shards {sharded} over {lay.shard_group} ranks")
+    return reasons
+
+
+def _complexity(layout: Layout) -> tuple:
+    axes = (layout.tp > 1) + (layout.pp > 1) + (layout.cp > 1)
+    return axes, layout.zero, ("none", "selective", "full").index(layout.recompute), layout.virtual_stages
+
+
+def search(spec: SearchSpec, top: int = 5) -> SearchResult:
+    """All fitting layouts, fastest first, with a summary of what was considered and why."""
+    problems = []
+    if spec.global_batch_tokens % spec.seq:
+        problems.append(f"global batch of {spec.global_batch_tokens} tokens is not a multiple of the sequence "
+                        f"length {spec.seq}; try {spec.global_batch_tokens // spec.seq * spec.seq or spec.seq}")
+    if spec.n_gpus % spec.gpus_per_node and spec.n_gpus > spec.gpus_per_node:
+        problems.append(f"{spec.n_gpus} GPUs is not a whole number of {spec.gpus_per_node}-GPU nodes")
+    if spec.precision not in spec.accelerator.flops:
+        problems.append(f"no {spec.precision} peak for {spec.accelerator.name}")
+    if problems:
+        raise UserError(problems)
+    fitting: list[Estimate] = []
+    considered = too_big = 0
+    closest: tuple[float, Layout, MemoryBreakdown] | None = None
+    for layout in enumerate_layouts(spec):
+        considered += 1
+        memory = estimate_memory(spec.shape, layout, spec.activation_model)
+        if memory.peak_bytes > spec.usable_bytes:
+            too_big += 1
+            if closest is None or memory.peak_bytes < closest[0]:
+                closest = (memory.peak_bytes, layout, memory)
+            continue
+        fitting.append(estimate_step(spec, layout, memory))
+    fastest = max((e.tokens_per_s_per_gpu for e in fitting), default=1.0)
+    # Within 0.5 % of each other the model cannot tell layouts apart: prefer fewer moving parts.
+    fitting.sort(key=lambda e: (-math.floor(e.tokens_per_s_per_gpu / fastest * 200), _complexity(e.layout),
+                                e.memory.peak_bytes))
+    closest_est = estimate_step(spec, closest[1], closest[2]) if closest else None
+    summary = _summary(spec, fitting, considered, too_big, closest_est)
+    return SearchResult(spec, fitting[:top] if top else fitting, considered, too_big, closest_est, summary)
+
+
+def _summary(spec: SearchSpec, fitting: list[Estimate], considered: int, too_big: int,
+             closest: Estimate | None) -> list[str]:
+    psi = count_params_of(spec.shape).total
+    states = 16 * psi  # bf16 weights and grads, fp32 master and Adam moments
+    lines = [f"{considered} layouts considered for {spec.n_gpus} × {spec.accelerator.name} "
+             f"({spec.gpus_per_node} per node), {spec.global_batch_tokens:,} tokens per step at seq {spec.seq}; "
+             f"{too_big} do not fit in {spec.usable_bytes / GiB:.1f} GiB usable, {len(fitting)} fit"]
+    if fitting:
+        best = fitting[0]
+        lines.append(f"best: {best.layout.describe()} — {best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+                     f"MFU {best.mfu:.1%} (at an assumed matmul efficiency of {spec.efficiency:.0%})")
+        return lines
+    min_gpus = math.ceil(states / spec.usable_bytes)
+    lines.append(f"nothing fits: the model states alone are 16 bytes × {psi / 1e9:.1f}B params = "
+                 f"{states / 1e9:,.0f} GB, {states / spec.n_gpus / GiB:.1f} GiB per GPU even fully sharded "
+                 f"(ZeRO-3, TP or PP) over {spec.n_gpus} GPUs, before any activation")
+    if closest is not None:
+        lines.append(f"closest: {closest.layout.describe()} needs {closest.memory.peak_bytes / GiB:.1f} GiB "
+                     f"(model states {closest.memory.static_bytes / GiB:.1f} GiB)")
+    lines.append(f"the model states alone need at least {min_gpus} GPUs of this kind; with activations, "
+                 f"buffers and {spec.headroom:.0%} headroom, {spec.n_gpus} are not enough — add nodes")
+    return lines
+
+
+def layout_config(spec: SearchSpec, layout: Layout, preset: str | None = None):
+    """A ready-to-run ultratron Config for a layout (the pipeline schedule goes in the TOML's header)."""
+    from ultratron.config import Config
+
+    cfg = Config()
+    model = cfg.model
+    model.preset = preset
+    for name in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings"):
+        setattr(model, name, getattr(spec.shape, name))
+    model.max_seq_len = max(layout.seq, getattr(spec.shape, "max_seq_len", 0) or 0)
+    model.rope_theta = getattr(spec.shape, "rope_theta", None) or 500_000.0
+    par = cfg.parallel
+    par.dp, par.zero, par.tp, par.sp, par.pp, par.cp, par.ep = (
+        layout.dp, layout.zero, layout.tp, layout.sp, layout.pp, layout.cp, layout.ep)
+    train = cfg.training
+    train.batch_tokens = spec.global_batch_tokens
+    train.micro_batch_size = layout.mbs
+    train.seq_len = layout.seq
+    train.precision = layout.precision
+    train.recompute = layout.recompute
+    train.device = "cuda"
+    cfg.run.dir = f"runs/{preset or 'custom'}-{spec.n_gpus}x{spec.accelerator.name.replace(' ', '-').lower()}"
+    return cfg
+
+
+def config_toml(spec: SearchSpec, est: Estimate, preset: str | None = None) -> str:
+    from ultratron.config import to_toml
+
+    lay = est.layout
+    header = [
+        f"# Written by `ultratron plan search` for {spec.n_gpus} × {spec.accelerator.name}.",
+        f"# Layout: {lay.describe()}",
+        f"# Pipeline schedule: {lay.pp_schedule}, virtual stages {lay.virtual_stages}"
+        " (not yet a config field: set them where the trainer takes them).",
+        f"# Estimated: {est.memory.peak_bytes / GiB:.1f} GiB per GPU, {est.step_s:.2f} s per step, "
+        f"{est.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {est.mfu:.1%}.",
+        f"# Launch: torchrun --nproc-per-node {min(spec.gpus_per_node, spec.n_gpus)} "
+        f"--nnodes {max(1, spec.n_gpus // spec.gpus_per_node)} -m ultratron train --config THIS_FILE",
+        "",
+    ]
+    return "\n".join(header) + to_toml(layout_config(spec, lay, preset))

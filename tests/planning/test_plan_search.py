@@ -1,0 +1,111 @@
+import pytest
+
+from ultratron.config import load_config
+from ultratron.errors import UserError
+from ultratron.models.presets import PRESETS
+from ultratron.planning.hardware import get_accelerator
+from ultratron.planning.memory import Layout, estimate_memory
+from ultratron.planning.params import count_params_of
+from ultratron.planning.search import (
+    LATENCY_INTRA_S,
+    SearchSpec,
+    config_toml,
+    enumerate_layouts,
+    estimate_step,
+    search,
+)
+
+H100 = get_accelerator("h100-sxm")
+MILLION = 2**20
+
+
+def spec_for(name, n_gpus, seq=8192, **kw):
+    return SearchSpec(PRESETS[name], H100, n_gpus, 8, MILLION, seq, **kw)
+
+
+def test_llama3_8b_on_8_gpus_finds_a_fitting_layout_with_reasons():
+    spec = spec_for("llama3-8b", 8)
+    result = search(spec)
+    best = result.best
+    assert best is not None and 0 < result.too_big < result.considered
+    lay = best.layout
+    assert lay.n_gpus == 8
+    assert lay.dp * lay.mbs * lay.grad_acc * lay.seq == MILLION
+    assert best.memory.peak_bytes <= spec.usable_bytes
+    assert best.reasons[0].startswith("fits: ")
+    assert any(r.startswith("step ") for r in best.reasons)
+    assert 0.3 < best.mfu < spec.efficiency
+    speeds = [e.tokens_per_s_per_gpu for e in result.ranked]
+    assert speeds == sorted(speeds, reverse=True) or max(speeds) / min(speeds) < 1.005
+    assert "best:" in result.summary[-1]
+
+
+def test_llama3_70b_on_8_gpus_says_nothing_fits_and_why():
+    result = search(spec_for("llama3-70b", 8))
+    assert result.best is None and result.too_big == result.considered > 0
+    text = "\n".join(result.summary)
+    assert "nothing fits" in text and "16 bytes × 70.6B params" in text
+    assert "131.4 GiB per GPU even fully sharded" in text
+    assert "at least 15 GPUs" in text
+    assert result.closest is not None and result.closest.memory.peak_bytes > result.spec.usable_bytes
+
+
+def test_llama3_70b_on_four_nodes_only_fits_with_sharding():
+    result = search(spec_for("llama3-70b", 32), top=0)
+    assert result.ranked
+    for est in result.ranked:
+        lay = est.layout
+        assert lay.zero == 3 or lay.tp > 1 or lay.pp > 1, lay.describe()
+    # Plain data parallelism with ZeRO-1 cannot hold 2 + 2 + 12/32 bytes × 70.6B params.
+    plain = Layout(dp=32, zero=1, seq=8192, recompute="full")
+    assert estimate_memory(PRESETS["llama3-70b"], plain).peak_bytes > result.spec.usable_bytes
+
+
+def test_enumeration_respects_node_size_heads_and_batch():
+    spec = spec_for("llama3-8b", 16, seq=4096)
+    layouts = list(enumerate_layouts(spec))
+    assert layouts
+    for lay in layouts:
+        assert lay.tp <= 8 and 32 % lay.tp == 0 and 8 % lay.tp == 0
+        assert lay.n_gpus == 16
+        assert lay.dp * lay.mbs * lay.grad_acc * 4096 == MILLION
+        assert lay.pp == 1 or lay.pp_schedule in ("afab", "1f1b", "interleaved")
+
+
+def test_cost_model_terms_by_hand():
+    spec = spec_for("llama3-8b", 8)
+    shape = PRESETS["llama3-8b"]
+    counts = count_params_of(shape)
+    flops_per_token = 6 * (counts.layers + shape.vocab_size * shape.dim) + 12 * 32 * 4096 * 8192
+    lay = Layout(dp=8, zero=1, mbs=1, grad_acc=16, seq=8192)
+    est = estimate_step(spec, lay)
+    efficiency = 0.6 * (8192 / (8192 + 256)) * (4096 / (4096 + 256))
+    assert est.compute_s == pytest.approx(MILLION * flops_per_token / (8 * 989.4e12 * efficiency))
+    ring = 2 * 7 / 8 * counts.total * 2 / 450e9 + LATENCY_INTRA_S * counts.total * 2 / 25e6
+    assert est.dp_comm_s == pytest.approx(ring)
+    assert est.step_s == pytest.approx(est.compute_s + est.dp_exposed_s)
+    assert est.mfu == pytest.approx(MILLION / est.step_s / 8 * flops_per_token / 989.4e12)
+    piped = estimate_step(spec_for("llama3-8b", 8), Layout(dp=2, zero=1, pp=4, mbs=1, grad_acc=64, seq=8192,
+                                                            pp_schedule="interleaved", virtual_stages=2))
+    pipelined = piped.compute_s + piped.tp_comm_s + piped.cp_exposed_s + piped.pp_comm_s
+    assert piped.bubble_s == pytest.approx(pipelined * 3 / (2 * 64))
+
+
+def test_written_config_loads_and_matches_the_layout(tmp_path):
+    spec = spec_for("llama3-8b", 8)
+    best = search(spec).best
+    path = tmp_path / "best.toml"
+    path.write_text(config_toml(spec, best, "llama3-8b"))
+    cfg = load_config(path)
+    lay = best.layout
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.zero) == (
+        lay.dp, lay.tp, lay.pp, lay.cp, lay.zero)
+    assert cfg.training.batch_tokens == MILLION and cfg.training.micro_batch_size == lay.mbs
+    assert cfg.grad_accum_steps == lay.grad_acc
+    assert cfg.training.recompute == lay.recompute and cfg.model.n_layers == 32
+    assert "# Pipeline schedule:" in path.read_text()
+
+
+def test_bad_search_input():
+    with pytest.raises(UserError, match="not a multiple of the sequence length"):
+        search(SearchSpec(PRESETS["llama3-8b"], H100, 8, 8, 1000, 4096))
