@@ -151,15 +151,15 @@ def c4_clean(text: str, f) -> tuple[str | None, str | None, object]:
     for line in text.split("\n"):
         stripped = line.strip()
         low = stripped.lower()
-        if (not stripped.endswith(TERMINAL_PUNCT) or len(stripped.split()) < f.c4_min_words_per_line
+        if stripped and (not stripped.endswith(TERMINAL_PUNCT) or len(stripped.split()) < f.c4_min_words_per_line
                 or "javascript" in low or any(p in low for p in C4_POLICY)):
-            continue
+            continue  # blank lines stay: they separate paragraphs
         kept.append(line)
     cleaned = "\n".join(kept)
     sentences = len(_SENTENCE_END.findall(cleaned))
     if sentences < f.c4_min_sentences:
         return None, "min_sentences", sentences
-    return cleaned, None, len(text.split("\n")) - len(kept)
+    return cleaned, None, len(text.split("\n")) - len(kept)  # lines removed
 
 
 # ---- FineWeb ------------------------------------------------------------------------------------
