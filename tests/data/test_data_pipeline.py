@@ -1,0 +1,149 @@
+"""End to end: bad input counted not fatal, report and decision log, shards the trainer reads,
+parallel == serial, single-stage CLI, and resume after a real kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ultratron.data.pipeline import run_pipeline
+from ultratron.data.pipeline_config import from_dict
+from ultratron.data.shards import ShardSet
+
+WORDS = ("the and of to with that river mountain garden window letter morning evening village teacher student "
+         "market harbor winter summer bridge castle forest meadow captain doctor farmer painter singer").split()
+
+
+def _prose(rng: random.Random, sentences: int = 12) -> str:
+    return "\n".join(" ".join(rng.choice(WORDS) for _ in range(10)).capitalize() + "." for _ in range(sentences))
+
+
+def make_corpus(root: Path) -> dict[str, int]:
+    """A directory with good text, duplicates and every kind of bad input; returns expected bad counts."""
+    rng = random.Random(0)
+    root.mkdir(parents=True)
+    texts = [_prose(rng) for _ in range(60)]
+    for i, text in enumerate(texts):
+        (root / f"doc{i:03d}.txt").write_text(text, encoding="utf-8")
+    (root / "copy.txt").write_text(texts[5], encoding="utf-8")  # an exact duplicate
+    (root / "bad_utf8.txt").write_bytes(b"caf\xe9 au lait, not UTF-8 at all" * 3)
+    (root / "binary.txt").write_bytes(bytes(range(256)) * 4)
+    (root / "empty.txt").write_text("   \n\n", encoding="utf-8")
+    (root / "huge.txt").write_text("x " * 60_000, encoding="utf-8")  # over read.max_doc_bytes below
+    lines = [json.dumps({"id": f"j{i}", "text": _prose(rng), "lang": "en"}) for i in range(10)]
+    lines.insert(3, '{"id": "broken", "text": "unterminated')
+    lines.insert(5, '["not", "an", "object"]')
+    (root / "more.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    pq.write_table(pa.table({"id": [f"p{i}" for i in range(5)], "text": [_prose(rng) for _ in range(5)]}),
+                   root / "table.parquet")
+    return {"invalid_utf8": 1, "binary": 1, "empty": 1, "too_large": 1, "malformed_jsonl": 1, "bad_record": 1}
+
+
+def config(src: Path, out: Path, workers: int = 1, **extra) -> dict:
+    return {"pipeline": {"input": str(src), "output": str(out), "workers": workers, "docs_per_part": 20,
+                         "progress": False},
+            "read": {"max_doc_bytes": 100_000, "extensions": ".txt,.jsonl,.parquet"},
+            "filter": {"enabled": ["gopher_repetition", "punctuation"]},
+            "tokenize": {"vocab_size": 300, "train_bytes": 200_000},
+            "shard": {"held_out_fraction": 0.2}, **extra}
+
+
+def final_outputs(out: Path) -> dict:
+    shard_dir = out / "07-shard"
+    result = {"parts": {p.name: p.read_text() for p in sorted(shard_dir.glob("*.jsonl"))}}
+    for split in ("train", "val"):
+        result[split] = {p.name: p.read_bytes() for p in sorted((shard_dir / split).glob("*.bin"))}
+    result["decisions"] = sorted((out / "decisions.jsonl").read_text().splitlines())
+    return result
+
+
+def test_pipeline_end_to_end_with_bad_input(tmp_path):
+    expected_bad = make_corpus(tmp_path / "src")
+    report = run_pipeline(from_dict(config(tmp_path / "src", tmp_path / "out")), log=lambda _: None)
+    read = report["stages"][0]
+    for reason, count in expected_bad.items():
+        assert read["removed"][reason] == count, reason
+    assert read["docs_in"] == 61 + 4 + 12 + 5 and read["docs_out"] == 61 + 10 + 5
+    exact = report["stages"][2]
+    assert exact["removed"] == {"exact_duplicate": 1}
+    # every input document is explained in the merged decision log
+    decisions = [json.loads(line) for line in (tmp_path / "out" / "decisions.jsonl").read_text().splitlines()]
+    by_id = {}
+    for d in decisions:
+        by_id.setdefault(d["id"], []).append(d)
+    dup = [d for d in decisions if d["reason"] == "exact_duplicate"]
+    assert len(dup) == 1 and dup[0]["cluster"] in {"doc005.txt", "copy.txt"} and dup[0]["id"] != dup[0]["cluster"]
+    assert by_id["huge.txt"][0]["reason"] == "too_large"
+    assert report["stages"][-1]["docs_out"] == sum(1 for d in decisions if d["decision"] == "kept")
+    # the trainer's shards: tokens decode back to the cleaned text, split by held_out
+    shard_dir = Path(report["trainer_data_path"])
+    train, val = ShardSet.open(shard_dir / "train"), ShardSet.open(shard_dir / "val")
+    shard = report["stages"][-1]["token_shards"]
+    assert train.meta["n_documents"] + val.meta["n_documents"] == report["stages"][-1]["docs_out"]
+    assert train.n_tokens == shard["train"]["n_tokens"] > 0 and val.n_tokens > 0
+    assert report["stages"][-2]["tokens_out"] == train.n_tokens + val.n_tokens - train.meta["n_documents"] \
+        - val.meta["n_documents"]  # shards add one EOS per document
+    table = pq.read_table(shard_dir / "parquet").to_pydict()
+    assert len(table["id"]) == report["stages"][-1]["docs_out"] and set(table["split"]) == {"train", "val"}
+    audit = json.loads((tmp_path / "out" / "06-tokenize" / "audit.json").read_text())
+    assert audit["all_round_trip"] and audit["unknown_tokens"] == 0
+    assert set(audit["domains"]) >= {"chinese", "cyrillic", "arabic", "accented_latin", "code", "math"}
+    # a tokenizer trained on English prose compresses CJK worse than its own corpus
+    assert audit["domains"]["chinese"]["bytes_per_token"] < audit["corpus"]["bytes_per_token"]
+    assert (tmp_path / "out" / "report.md").read_text().count("|") > 40
+
+
+def test_parallel_run_matches_serial_run(tmp_path):
+    make_corpus(tmp_path / "src")
+    run_pipeline(from_dict(config(tmp_path / "src", tmp_path / "serial", workers=1)), log=lambda _: None)
+    run_pipeline(from_dict(config(tmp_path / "src", tmp_path / "parallel", workers=2)), log=lambda _: None)
+    assert final_outputs(tmp_path / "serial") == final_outputs(tmp_path / "parallel")
+
+
+def test_resume_after_kill_gives_same_output_without_redoing_work(tmp_path):
+    make_corpus(tmp_path / "src")
+    cfg_path = tmp_path / "data.toml"
+    lines = []
+    for section, values in config(tmp_path / "src", tmp_path / "out").items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    cfg_path.write_text("\n".join(lines) + "\n")
+    cmd = [sys.executable, "-m", "ultratron", "data", "run", "--config", str(cfg_path)]
+    # 82 inputs in parts of 20 = 5 parts per stage: the 11th finished part is the first of exact-dedup
+    killed = subprocess.run(cmd, env=os.environ | {"ULTRATRON_DATA_KILL_AFTER_PARTS": "11"}, capture_output=True)
+    assert killed.returncode == -9
+    out = tmp_path / "out"
+    assert (out / "01-normalize" / "_DONE.json").is_file() and not (out / "02-exact-dedup" / "_DONE.json").exists()
+    # every file the killed run finished (parts, decision logs, stats, indexes) stays untouched
+    before = {p: p.stat().st_mtime_ns for p in out.glob("0*/**/*") if p.is_file()}
+    assert (out / "02-exact-dedup" / "_stats" / "part-00000.json") in before
+    resumed = subprocess.run(cmd, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.count("(done earlier)") == 2  # read and normalize
+    assert {p: p.stat().st_mtime_ns for p in before} == before
+    run_pipeline(from_dict(config(tmp_path / "src", tmp_path / "clean")), log=lambda _: None)
+    assert final_outputs(out) == final_outputs(tmp_path / "clean")
+
+
+def test_single_stage_cli_and_config_errors(tmp_path, capsys):
+    from ultratron.cli import main
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "a", "text": "Caf\\u0065\\u0301\\u0007  au   lait"}\nnot json\n{"id": "b", "text": ""}\n')
+    assert main(["data", "normalize", "--input", str(src), "--output", str(tmp_path / "norm")]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["removed"] == {"malformed_jsonl": 1, "empty_after_normalize": 1} and shown["docs_out"] == 1
+    record = json.loads((tmp_path / "norm" / "in.jsonl").read_text())
+    assert record == {"id": "a", "text": "Café au lait"}
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[near_dedup]\nbandz = 3\n[pipeline]\nstages = ["read", "dedup"]\n')
+    assert main(["data", "run", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key near_dedup.bandz (did you mean 'bands'?)" in err and "unknown stage 'dedup'" in err
