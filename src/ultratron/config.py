@@ -47,6 +47,8 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     dp: int = 1
+    # HSDP: dp = dp_replicate × dp_shard; shard within groups of dp/dp_replicate ranks, replicate across.
+    dp_replicate: int = 1
     zero: int = 0
     tp: int = 1
     sp: bool = False
