@@ -28,7 +28,7 @@ Rank by tokens/s per GPU (the same order as MFU); ties go to the layout with les
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ultratron.errors import UserError
 from ultratron.planning.flops import training_flops_per_token
@@ -244,11 +244,18 @@ def _reasons(spec: SearchSpec, est: Estimate, bubble_fraction: float) -> list[st
     else:
         reasons.append("communication is hidden: the step is compute-bound")
     if lay.recompute != "none":
-        reasons.append(f"recompute={lay.recompute}: without it the activations do not fit at this micro-batch"
-                       if lay.recompute == "full" else f"recompute={lay.recompute} trades ~2% time for memory")
+        lighter = "selective" if lay.recompute == "full" else "none"
+        need = estimate_memory(spec.shape, replace(lay, recompute=lighter), spec.activation_model).peak_bytes
+        cost = "+1/3 compute" if lay.recompute == "full" else "~2% time"
+        reasons.append(f"recompute={lay.recompute} ({cost}): with recompute={lighter} this layout needs "
+                       f"{need / GiB:.1f} GiB" + (" and does not fit" if need > spec.usable_bytes else
+                                                  ", which fits but runs slower at a smaller micro-batch"))
     if lay.zero:
         sharded = {1: "optimizer state", 2: "optimizer state and grads", 3: "all model states"}[lay.zero]
-        reasons.append(f"ZeRO-{lay.zero} shards {sharded} over {lay.shard_group} ranks")
+        need = estimate_memory(spec.shape, replace(lay, zero=lay.zero - 1), spec.activation_model).peak_bytes
+        why = "does not fit" if need > spec.usable_bytes else "fits too; the step time is the same"
+        reasons.append(f"ZeRO-{lay.zero} shards {sharded} over {lay.shard_group} ranks "
+                       f"(ZeRO-{lay.zero - 1} would need {need / GiB:.1f} GiB: {why})")
     return reasons
 
 

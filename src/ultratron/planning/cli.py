@@ -1,0 +1,370 @@
+"""Plan a training run before booking a cluster — instantly, without torch.
+
+  ultratron plan memory  --model llama3-8b --dp 8 --zero 1 --seq 8192 --recompute none,selective,full
+  ultratron plan scaling --flops 5.76e23            (or --gpus 1024 --gpu h100-sxm --days 30 --mfu 0.4)
+  ultratron plan search  --model llama3-8b --gpu h100-sxm --gpus 8 --batch-tokens 1048576 --seq 8192
+
+Comma-separated values in `plan memory` sweep a layout field; --chart FILE.png draws the terms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from dataclasses import asdict
+from dataclasses import fields as dataclass_fields
+from pathlib import Path
+from types import SimpleNamespace
+
+from ultratron.errors import UserError
+from ultratron.models.presets import PRESETS
+from ultratron.planning import hardware, scaling
+from ultratron.planning.memory import ACTIVATION_MODELS, PRECISIONS, GiB, Layout, MemoryBreakdown, estimate_memory
+from ultratron.planning.params import count_params_of
+
+SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+SWEEPABLE = ("dp", "zero", "tp", "pp", "virtual_stages", "cp", "ep", "mbs", "grad_acc", "seq", "recompute")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="plan_command", metavar="{memory,scaling,search}")
+    sub.required = True
+    mem = sub.add_parser("memory", help="bytes per GPU for a model and one or more layouts")
+    _model_arguments(mem)
+    for name, default in (("dp", "1"), ("zero", "0"), ("tp", "1"), ("pp", "1"), ("virtual-stages", "1"),
+                          ("cp", "1"), ("ep", "1"), ("mbs", "1"), ("grad-acc", "1"), ("seq", "4096")):
+        mem.add_argument(f"--{name}", default=default, help=f"integer or comma list (default {default})")
+    mem.add_argument("--sp", action="store_true", help="sequence parallel (with tp > 1)")
+    mem.add_argument("--pp-schedule", default="1f1b", choices=("afab", "1f1b", "interleaved"))
+    mem.add_argument("--recompute", default="none", help="none|selective|full, or a comma list")
+    mem.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    mem.add_argument("--fp32-grad-accum", action="store_true", help="keep an fp32 gradient-accumulation buffer")
+    mem.add_argument("--activation-model", default="per-op", choices=ACTIVATION_MODELS,
+                     help="per-op: what ultratron's Llama saves; textbook: Korthikanti et al. 2022")
+    mem.add_argument("--json", action="store_true", help="print JSON (with peak_bytes) instead of a table")
+    mem.add_argument("--chart", metavar="PNG", help="stacked bars of the terms per layout")
+    mem.set_defaults(plan_run=run_memory)
+
+    sc = sub.add_parser("scaling", help="compute-optimal size and tokens, time, cost, checkpoint storage")
+    sc.add_argument("--flops", type=float, help="compute budget in FLOPs")
+    sc.add_argument("--gpus", type=int, help="GPU count (for a budget from GPU-days, and for time)")
+    sc.add_argument("--gpu", default="h100-sxm", help=f"GPU type: {', '.join(hardware.ACCELERATORS)}")
+    sc.add_argument("--days", type=float, help="days on --gpus GPUs (budget from GPU-days)")
+    sc.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (default 0.4)")
+    sc.add_argument("--model", help="a preset to time instead of the compute-optimal size")
+    sc.add_argument("--params", type=float, help="(active) parameters of the model to time")
+    sc.add_argument("--total-params", type=float, help="MoE: total parameters (memory, checkpoints)")
+    sc.add_argument("--moe-total-to-active", type=float, default=1.0,
+                    help="MoE: total/active parameter ratio applied to compute-optimal (active) sizes")
+    sc.add_argument("--tokens", type=float, help="training tokens of the model to time")
+    sc.add_argument("--tokens-per-param", type=float, default=20.0)
+    sc.add_argument("--price-per-gpu-hour", type=float, default=0.0, help="USD; 0 leaves cost out")
+    sc.add_argument("--batch-tokens", type=float, default=4 * 2**20, help="tokens per step (for step counts)")
+    sc.add_argument("--save-interval", type=int, default=1000, help="steps between checkpoints")
+    sc.add_argument("--keep", type=int, default=3, help="checkpoints kept on disk")
+    sc.add_argument("--json", action="store_true")
+    sc.set_defaults(plan_run=run_scaling)
+
+    se = sub.add_parser("search", help="fastest layout that fits; writes its config")
+    _model_arguments(se)
+    se.add_argument("--gpu", default="h100-sxm", help=f"GPU type: {', '.join(hardware.ACCELERATORS)}")
+    se.add_argument("--gpus", type=int, required=True, help="total GPU count")
+    se.add_argument("--gpus-per-node", type=int, help="default: the GPU type's usual node (8)")
+    se.add_argument("--batch-tokens", type=int, required=True, help="global batch in tokens")
+    se.add_argument("--seq", type=int, required=True, help="sequence length")
+    se.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    se.add_argument("--headroom", type=float, default=0.10, help="fraction of memory left free (default 0.1)")
+    se.add_argument("--efficiency", type=float, default=0.6, help="large-matmul fraction of peak (default 0.6)")
+    se.add_argument("--activation-model", default="per-op", choices=ACTIVATION_MODELS)
+    se.add_argument("--top", type=int, default=5, help="layouts to print")
+    se.add_argument("--out", default="plan-best.toml", help="config for the best layout ('-' to skip)")
+    se.add_argument("--json", action="store_true")
+    se.add_argument("--chart", metavar="PNG", help="step-time components of the top layouts")
+    se.set_defaults(plan_run=run_search)
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (explicit fields below override it)")
+    for name in SHAPE_FIELDS:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name)
+    parser.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--qk-norm", action="store_true")
+
+
+def run(args) -> int:
+    return int(args.plan_run(args) or 0)
+
+
+# ---- shared --------------------------------------------------------------------------------
+
+def resolve_shape(args) -> SimpleNamespace:
+    """The model shape from --model and/or the explicit fields; every missing field is one problem line."""
+    values: dict = {}
+    if args.model:
+        if args.model not in PRESETS:
+            raise UserError(f"unknown model preset {args.model!r}; known: {', '.join(PRESETS)}")
+        values = asdict(PRESETS[args.model])
+    for name in (*SHAPE_FIELDS, "tie_embeddings"):
+        if getattr(args, name, None) is not None:
+            values[name] = getattr(args, name)
+    missing = [f"--{n.replace('_', '-')}" for n in (*SHAPE_FIELDS, "tie_embeddings") if values.get(n) is None]
+    if missing:
+        raise UserError(f"without --model these are needed: {', '.join(missing)}")
+    problems = [f"--{n.replace('_', '-')} must be positive, got {values[n]}" for n in SHAPE_FIELDS if values[n] <= 0]
+    if not problems and values["dim"] % values["n_heads"]:
+        problems.append(f"--n-heads {values['n_heads']} does not divide --dim {values['dim']}")
+    if not problems and values["n_heads"] % values["n_kv_heads"]:
+        problems.append(f"--n-kv-heads {values['n_kv_heads']} does not divide --n-heads {values['n_heads']}")
+    if problems:
+        raise UserError(problems)
+    values["qk_norm"] = bool(getattr(args, "qk_norm", False))
+    return SimpleNamespace(**values)
+
+
+def _gib(value: float) -> str:
+    return f"{value / GiB:.2f}"
+
+
+def _human(value: float, unit: str = "") -> str:
+    for threshold, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= threshold:
+            return f"{value / threshold:.2f}{suffix}{unit}"
+    return f"{value:.0f}{unit}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        cells = zip(row, widths, strict=True)
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(cells))
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def _wrap(text: str, per_line: int = 3) -> str:
+    words = text.split()
+    return "\n".join(" ".join(words[i:i + per_line]) for i in range(0, len(words), per_line))
+
+
+def _varying_labels(layouts: list[Layout]) -> list[str]:
+    """Chart labels naming only the layout fields the sweep changes."""
+    names = [f.name for f in dataclass_fields(Layout)]
+    varying = [n for n in names if len({getattr(lay, n) for lay in layouts}) > 1]
+    if not varying:
+        return [_wrap(lay.describe()) for lay in layouts]
+    return [_wrap(" ".join(f"{n}={getattr(lay, n)}" for n in varying), 2) for lay in layouts]
+
+
+def _stacked_bars(path: str, labels: list[str], series: dict[str, list[float]], ylabel: str, title: str,
+                  limit: float | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(labels) + 3), 5))
+    bottom = [0.0] * len(labels)
+    for name, values in series.items():
+        if any(values):
+            ax.bar(range(len(labels)), values, bottom=bottom, label=name)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    if limit:
+        ax.axhline(limit, color="black", linestyle="--", linewidth=1, label="usable memory")
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---- memory --------------------------------------------------------------------------------
+
+def _int_list(name: str, text: str) -> list[int]:
+    try:
+        return [int(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--{name.replace('_', '-')} expects integers (or a comma list), got {text!r}") from None
+
+
+def memory_layouts(args) -> list[Layout]:
+    sweep: dict[str, list] = {}
+    for name in SWEEPABLE:
+        raw = getattr(args, name)
+        sweep[name] = [v.strip() for v in str(raw).split(",")] if name == "recompute" else _int_list(name, raw)
+    base = dict(sp=args.sp, pp_schedule=args.pp_schedule, precision=args.precision,
+                fp32_grad_accum=args.fp32_grad_accum)
+    return [Layout(**base, **dict(zip(sweep, combo, strict=True))) for combo in itertools.product(*sweep.values())]
+
+
+def run_memory(args) -> int:
+    shape = resolve_shape(args)
+    layouts = memory_layouts(args)
+    if len(layouts) > 64:
+        raise UserError(f"the sweep makes {len(layouts)} layouts; keep it to 64 or fewer")
+    results: list[tuple[Layout, MemoryBreakdown]] = []
+    problems: list[str] = []
+    for layout in layouts:
+        try:
+            results.append((layout, estimate_memory(shape, layout, args.activation_model)))
+        except UserError as err:
+            problems += [f"{layout.describe()}: {p}" for p in err.problems]
+    if problems:
+        raise UserError(problems)
+    counts = count_params_of(shape)
+    if args.json:
+        print(json.dumps({
+            "model": vars(shape), "params": counts.total, "activation_model": args.activation_model,
+            "peak_bytes": max(m.peak_bytes for _, m in results),
+            "layouts": [{"layout": asdict(lay), "describe": lay.describe(), **mem.as_dict()} for lay, mem in results],
+        }, indent=1))
+    else:
+        print(f"model: {args.model or 'custom'} — {counts.total / 1e9:.3f}B parameters; activations: "
+              f"{args.activation_model}; GiB on the heaviest GPU")
+        header = ["term"] + [f"#{i + 1}" for i in range(len(results))]
+        rows = [[term] + [_gib(getattr(m, term)) for _, m in results] for term in MemoryBreakdown.TERMS]
+        rows.append(["peak"] + [_gib(m.peak_bytes) for _, m in results])
+        rows.append(["stage"] + [m.stage for _, m in results])
+        print(_table(header, rows))
+        for i, (lay, _) in enumerate(results):
+            print(f"#{i + 1}: {lay.describe()} seq={lay.seq} {lay.precision}"
+                  f"{' fp32-grad-accum' if lay.fp32_grad_accum else ''}")
+    if args.chart:
+        labels = _varying_labels([lay for lay, _ in results])
+        series = {term: [getattr(m, term) / GiB for _, m in results] for term in MemoryBreakdown.TERMS}
+        _stacked_bars(args.chart, labels, series, "GiB per GPU", f"{args.model or 'custom model'}: memory per GPU")
+        if not args.json:
+            print(f"chart: {args.chart}")
+    return 0
+
+
+# ---- scaling -------------------------------------------------------------------------------
+
+def run_scaling(args) -> int:
+    problems = []
+    for name in ("flops", "gpus", "days", "params", "total_params", "tokens", "batch_tokens"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            problems.append(f"--{name.replace('_', '-')} must be positive, got {value:g}")
+    if not 0 < args.mfu <= 1:
+        problems.append(f"--mfu must lie in (0, 1], got {args.mfu}")
+    if args.flops is None and (args.gpus is None or args.days is None) and args.params is None and not args.model:
+        problems.append("give a budget: --flops C, or --gpus N --days D (with --gpu and --mfu), "
+                        "or a model to time: --model PRESET / --params N with --tokens D")
+    if problems:
+        raise UserError(problems)
+    acc = hardware.get_accelerator(args.gpu)
+    peak = acc.flops["bf16"]
+    budget = args.flops
+    budget_source = "given"
+    if budget is None and args.gpus and args.days:
+        budget = scaling.budget_flops(args.gpus, args.days, args.mfu, peak)
+        budget_source = f"{args.gpus} × {acc.name} × {args.days:g} days at MFU {args.mfu:.0%}"
+    out: dict = {"budget_flops": budget, "budget_source": budget_source, "rows": []}
+    rows = []
+    if budget:
+        for alloc in (scaling.compute_optimal(budget, scaling.FITS["epoch"]),
+                      scaling.compute_optimal(budget, scaling.FITS["hoffmann"]),
+                      scaling.tokens_per_param_rule(budget, args.tokens_per_param)):
+            rows.append((alloc.method, alloc.params, alloc.params * args.moe_total_to_active, alloc.tokens,
+                         alloc.loss))
+    if args.model or args.params:
+        if args.model and args.model not in PRESETS:
+            raise UserError(f"unknown model preset {args.model!r}; known: {', '.join(PRESETS)}")
+        active = args.params or count_params_of(PRESETS[args.model]).total
+        total = args.total_params or active
+        tokens = args.tokens or args.tokens_per_param * active
+        rows.append((args.model or "given model", active, total, tokens, scaling.FITS["epoch"].loss(active, tokens)))
+    for method, active, total, tokens, loss in rows:
+        flops = 6 * active * tokens
+        row = {"method": method, "active_params": active, "total_params": total, "tokens": tokens,
+               "tokens_per_param": tokens / active, "flops": flops, "loss": loss}
+        if args.gpus:
+            seconds = scaling.training_seconds(flops, args.gpus, args.mfu, peak)
+            row.update(days=seconds / 86400, gpu_hours=seconds * args.gpus / 3600,
+                       cost_usd=seconds * args.gpus / 3600 * args.price_per_gpu_hour)
+        steps = math.ceil(tokens / args.batch_tokens)
+        store = scaling.checkpoint_storage(total, steps, args.save_interval, args.keep)
+        row.update(steps=steps, checkpoint_bytes=store.checkpoint_bytes, storage_peak_bytes=store.peak_bytes,
+                   storage_written_bytes=store.written_bytes, saves=store.saves)
+        out["rows"].append(row)
+    out["fits"] = {name: fit.source for name, fit in scaling.FITS.items()}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    if budget:
+        print(f"compute budget: {budget:.3g} FLOPs ({budget_source}); C = 6·N·D")
+    header = ["allocation", "active N", "total N", "tokens D", "D/N", "loss", "ckpt", "disk (kept)"]
+    if args.gpus:
+        header += [f"days on {args.gpus}×{acc.name}", "GPU-hours"] + (["cost $"] if args.price_per_gpu_hour else [])
+    table = []
+    for r in out["rows"]:
+        cells = [r["method"], _human(r["active_params"]), _human(r["total_params"]), _human(r["tokens"]),
+                 f"{r['tokens_per_param']:.1f}", "—" if r["loss"] is None else f"{r['loss']:.3f}",
+                 f"{r['checkpoint_bytes'] / 1e9:,.0f} GB", f"{r['storage_peak_bytes'] / 1e12:,.2f} TB"]
+        if args.gpus:
+            cells += [f"{r['days']:.1f}", f"{r['gpu_hours']:,.0f}"]
+            if args.price_per_gpu_hour:
+                cells.append(f"{r['cost_usd']:,.0f}")
+        table.append(cells)
+    print(_table(header, table))
+    print("fits: epoch = " + scaling.FITS["epoch"].source + "; hoffmann = " + scaling.FITS["hoffmann"].source)
+    print(f"checkpoint = weights bf16 + fp32 master + 2 Adam moments (14 bytes × total params); "
+          f"saved every {args.save_interval} steps of {_human(args.batch_tokens)} tokens, {args.keep} kept "
+          f"(+1 while writing)")
+    return 0
+
+
+# ---- search --------------------------------------------------------------------------------
+
+def run_search(args) -> int:
+    from ultratron.planning.search import SearchSpec, config_toml, search
+
+    shape = resolve_shape(args)
+    acc = hardware.get_accelerator(args.gpu)
+    problems = [f"--{n.replace('_', '-')} must be positive, got {getattr(args, n)}"
+                for n in ("gpus", "batch_tokens", "seq") if getattr(args, n) <= 0]
+    if not 0 <= args.headroom < 1:
+        problems.append(f"--headroom must lie in [0, 1), got {args.headroom}")
+    if not 0 < args.efficiency <= 1:
+        problems.append(f"--efficiency must lie in (0, 1], got {args.efficiency}")
+    if problems:
+        raise UserError(problems)
+    spec = SearchSpec(shape, acc, args.gpus, args.gpus_per_node or min(acc.gpus_per_node, args.gpus),
+                      args.batch_tokens, args.seq, args.precision, args.headroom, args.efficiency,
+                      activation_model=args.activation_model)
+    result = search(spec, top=args.top)
+    wrote = None
+    if result.best and args.out != "-":
+        path = Path(args.out)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(config_toml(spec, result.best, args.model))
+        tmp.replace(path)
+        wrote = str(path)
+    if args.json:
+        print(json.dumps({"summary": result.summary, "considered": result.considered, "too_big": result.too_big,
+                          "layouts": [e.as_dict() for e in result.ranked], "config": wrote,
+                          "closest": result.closest.as_dict() if result.closest and not result.best else None},
+                         indent=1))
+    else:
+        print("\n".join(result.summary))
+        for i, est in enumerate(result.ranked):
+            print(f"\n#{i + 1} {est.layout.describe()}: {est.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+                  f"MFU {est.mfu:.1%}, {est.memory.peak_bytes / GiB:.1f} GiB")
+            for reason in est.reasons:
+                print(f"   - {reason}")
+        if wrote:
+            print(f"\nconfig for #1 written to {wrote}")
+    if args.chart and result.ranked:
+        labels = [f"#{i + 1}\n" + _wrap(e.layout.describe()) for i, e in enumerate(result.ranked)]
+        parts = {"compute": "compute_s", "TP": "tp_comm_s", "CP exposed": "cp_exposed_s", "PP p2p": "pp_comm_s",
+                 "bubble": "bubble_s", "DP exposed": "dp_exposed_s"}
+        series = {name: [getattr(e, attr) for e in result.ranked] for name, attr in parts.items()}
+        _stacked_bars(args.chart, labels, series, "seconds per step",
+                      f"{args.model or 'custom'} on {args.gpus} × {acc.name}: step time")
+    return 0 if result.best else 1
+
