@@ -64,11 +64,12 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (even, odd) channel pairs of x: (batch, seq, heads, head_dim)."""
+    """Rotate (even, odd) channel pairs of x: (batch, seq, heads, head_dim). cos/sin are
+    (seq, head_dim / 2), or (batch, seq, head_dim / 2) when rows sit at different positions."""
     x32 = x.float().unflatten(-1, (-1, 2))
     real, imag = x32[..., 0], x32[..., 1]
-    cos = cos[None, :, None, :]
-    sin = sin[None, :, None, :]
+    cos = (cos if cos.dim() == 3 else cos[None])[:, :, None, :]
+    sin = (sin if sin.dim() == 3 else sin[None])[:, :, None, :]
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -94,7 +95,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 instead of n_heads so that a tensor-parallel shard (fewer local heads) works unchanged.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -105,22 +106,28 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
         groups = q.shape[1] // k.shape[1]
+        mask = None
+        if cache is not None:  # inference: past keys/values join the new ones, with their mask
+            k, v, mask = cache.update(k, v)
         if self.softcap > 0:
-            out = self._softcapped_attention(q, k, v, groups)
+            out = self._softcapped_attention(q, k, v, groups, mask)
+        elif mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def _softcapped_attention(self, q, k, v, groups: int) -> torch.Tensor:
+    def _softcapped_attention(self, q, k, v, groups: int, mask: torch.Tensor | None = None) -> torch.Tensor:
         # SDPA has no soft-cap, so this path materialises the scores (fine for the model sizes
         # where soft-capping is used on CPU; GPU users want a fused kernel here).
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
         scores = softcap((q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim), self.softcap)
-        seq = q.shape[2]
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+        if mask is None:
+            seq = q.shape[2]
+            mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
         return torch.softmax(scores.float(), dim=-1).type_as(v) @ v
 
 
@@ -145,8 +152,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -180,15 +187,20 @@ class Llama(nn.Module):
             else:
                 nn.init.normal_(param, mean=0.0, std=std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids (batch, seq) → logits (batch, seq, vocab)."""
+    def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+        """Token ids (batch, seq) → logits (batch, seq, vocab). `cache` (inference only, e.g.
+        `ultratron.serving.kv_cache.KVCache`) supplies each row's positions and keeps keys/values."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.args.max_seq_len}")
         x = self.tok_embeddings(tokens)
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        for layer in self.layers.values():
-            x = layer(x, cos, sin)
+        if cache is None:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        else:
+            positions = cache.positions(seq)  # (batch, seq)
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for name, layer in self.layers.items():
+            x = layer(x, cos, sin) if cache is None else layer(x, cos, sin, cache.layer(name))
         logits = self.output(self.norm(x))
         return softcap(logits, self.args.final_softcap)
 
