@@ -1,54 +1,145 @@
-"""The whole parallel topology in one object. The distributed work builds its DeviceMesh here."""
+"""The whole parallel topology in one object, and the one DeviceMesh built from it.
+
+Mesh dimensions, outermost first: pp, dp_replicate, dp_shard, cp, tp (torchtitan's order: the
+axes that talk the most, tp, sit innermost, i.e. on neighbouring ranks / the same node).
+`dp` is the total data-parallel degree; with HSDP it splits into `dp_replicate` groups that each
+shard over `dp_shard = dp / dp_replicate` ranks. Every check runs in `validate()`, before any
+process group exists, so a layout that does not divide stops with one clear message.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from ultratron.config import ConfigError
 
 
-@dataclass(frozen=True)
+@dataclass
 class ParallelDims:
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    dp_replicate: int = 1
+    zero: int = 0
+    sp: bool = False
     world_size: int = 1
     rank: int = 0
+    local_rank: int = 0
+    mesh: object = field(default=None, repr=False, compare=False)  # a DeviceMesh once built
 
     @classmethod
-    def from_config(cls, parallel_cfg) -> ParallelDims:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
+    def from_config(cls, parallel_cfg, model_cfg=None) -> ParallelDims:
+        """Read the launch environment (torchrun's RANK / WORLD_SIZE / LOCAL_RANK) and validate."""
         dims = cls(dp=parallel_cfg.dp, tp=parallel_cfg.tp, pp=parallel_cfg.pp, cp=parallel_cfg.cp,
-                   ep=parallel_cfg.ep, world_size=world, rank=rank)
-        dims.validate()
+                   ep=parallel_cfg.ep, dp_replicate=getattr(parallel_cfg, "dp_replicate", 1),
+                   zero=parallel_cfg.zero, sp=parallel_cfg.sp,
+                   world_size=int(os.environ.get("WORLD_SIZE", "1")), rank=int(os.environ.get("RANK", "0")),
+                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        dims.validate(model_cfg)
         return dims
 
+    # ---- derived sizes ------------------------------------------------------------------------
     @property
     def product(self) -> int:
         # Expert parallelism reuses data-parallel ranks, so it does not multiply the world size.
         return self.dp * self.tp * self.pp * self.cp
 
-    def validate(self) -> None:
-        if self.product != self.world_size:
-            raise ConfigError([
-                f"parallel layout dp×tp×pp×cp = {self.dp}×{self.tp}×{self.pp}×{self.cp} = {self.product} "
-                f"does not equal the number of processes ({self.world_size}); launch with "
-                f"torchrun --nproc-per-node {self.product} or change the layout"
-            ])
-        if self.world_size > 1:
-            raise ConfigError([
-                f"this build of ultratron trains in one process; a layout of {self.world_size} processes "
-                "needs the distributed training core (not built yet)"
-            ])
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
 
     @property
+    def uses_fsdp(self) -> bool:
+        """FSDP2 for ZeRO 2/3 and HSDP; also when dp meets tp, since DDP takes no DTensor parameters."""
+        return self.dp > 1 and (self.zero >= 2 or self.dp_replicate > 1 or self.tp > 1)
+
+    def validate(self, model_cfg=None) -> None:
+        problems: list[str] = []
+        if self.product != self.world_size:
+            problems.append(
+                f"parallel layout dp×tp×pp×cp = {self.dp}×{self.tp}×{self.pp}×{self.cp} = {self.product} "
+                f"does not equal the number of processes ({self.world_size}); launch with "
+                f"torchrun --nproc-per-node {self.product} or change the layout")
+        if self.dp_replicate < 1 or self.dp % self.dp_replicate:
+            problems.append(f"parallel.dp_replicate={self.dp_replicate} must divide parallel.dp={self.dp} "
+                            "(HSDP: dp = dp_replicate × dp_shard)")
+        elif self.dp_replicate > 1 and self.zero < 2:
+            problems.append(f"parallel.dp_replicate={self.dp_replicate} (HSDP) shards within each replica "
+                            f"group, so it needs parallel.zero 2 or 3, got {self.zero}")
+        if self.sp and self.tp == 1:
+            problems.append("parallel.sp=true needs parallel.tp > 1 (sequence parallel splits the norm "
+                            "regions over the tensor-parallel ranks)")
+        for name in ("pp", "cp", "ep"):
+            if getattr(self, name) > 1:
+                problems.append(f"parallel.{name}={getattr(self, name)}: this build trains with data and "
+                                f"tensor parallelism only; set parallel.{name}=1")
+        if model_cfg is not None and self.tp > 1:
+            if model_cfg.n_heads % self.tp or model_cfg.n_kv_heads % self.tp:
+                problems.append(f"tp={self.tp} does not divide n_heads={model_cfg.n_heads} and "
+                                f"n_kv_heads={model_cfg.n_kv_heads}")
+            for name in ("ffn_dim", "vocab_size"):
+                if getattr(model_cfg, name) % self.tp:
+                    problems.append(f"tp={self.tp} does not divide model.{name}={getattr(model_cfg, name)}")
+        if problems:
+            raise ConfigError(problems)
+
+    # ---- ranks ----------------------------------------------------------------------------------
+    @property
     def dp_rank(self) -> int:
-        return self.rank % self.dp if self.dp > 1 else 0
+        """This rank's index among the data-parallel ranks (tp is innermost, so rank // tp)."""
+        return (self.rank // (self.tp * self.cp)) % self.dp
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    # ---- process group and mesh -----------------------------------------------------------------
+    def init_distributed(self, device: torch.device) -> torch.device:
+        """Join the process group (gloo on CPU, nccl with one GPU per local rank) and build the mesh.
+        Returns the device this rank computes on. A no-op in one process."""
+        if not self.distributed:
+            return device
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                    rank=self.rank, world_size=self.world_size)
+        self.build_mesh(device.type)
+        return device
+
+    def build_mesh(self, device_type: str = "cpu"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = ("dp_replicate", "dp_shard", "tp")
+        sizes = (self.dp_replicate, self.dp_shard, self.tp)
+        kept = [(n, s) for n, s in zip(names, sizes, strict=True) if s > 1] or [("dp_shard", 1)]
+        self.mesh = init_device_mesh(device_type, tuple(s for _, s in kept), mesh_dim_names=tuple(n for n, _ in kept))
+        return self.mesh
+
+    def submesh(self, *names: str):
+        """The mesh over the named dimensions that exist (size > 1), or None if none does."""
+        present = [n for n in names if self.mesh is not None and n in (self.mesh.mesh_dim_names or ())]
+        if not present:
+            return None
+        return self.mesh[tuple(present)] if len(present) > 1 else self.mesh[present[0]]
+
+    @property
+    def dp_mesh(self):
+        """The mesh data parallelism runs over (both HSDP dimensions, outer first)."""
+        return self.submesh("dp_replicate", "dp_shard")
+
+    @property
+    def tp_mesh(self):
+        return self.submesh("tp")

@@ -1,14 +1,29 @@
 """Apply parallelism to a plain model from outside, in one fixed order:
-TP/SP → CP → activation recomputation → compile → FSDP/DDP. One process applies only the
-recomputation for now; each parallel axis plugs in here from its own module."""
+TP/SP → CP → activation recomputation → compile → FSDP/DDP. Each axis lives in its own module;
+this file only orders them and gives the training loop the few hooks it needs per micro-batch."""
 
 from __future__ import annotations
 
+import contextlib
+
 from torch import nn
 
+from ultratron.parallel.data_parallel import apply_data_parallel, gradient_sync
 from ultratron.parallel.dims import ParallelDims
 from ultratron.parallel.recompute import apply_recompute
+from ultratron.parallel.tensor_parallel import apply_tensor_parallel, loss_context
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
-    return apply_recompute(model, cfg.training.recompute)
+    model = apply_tensor_parallel(model, dims)
+    # (context parallel and torch.compile plug in here, in this order)
+    model = apply_recompute(model, cfg.training.recompute)
+    return apply_data_parallel(model, dims, cfg.training.precision)
+
+
+@contextlib.contextmanager
+def micro_batch(model: nn.Module, dims: ParallelDims, last: bool):
+    """Around one micro-batch's forward, loss and backward: reduce gradients only on the last
+    micro-batch of the step, and compute the loss on vocab-sharded logits under tensor parallel."""
+    with gradient_sync(model, last), loss_context(dims):
+        yield

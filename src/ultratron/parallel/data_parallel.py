@@ -1,0 +1,116 @@
+"""Data parallelism by ZeRO stage, on PyTorch's own pieces.
+
+  zero 0  DDP: gradients all-reduced in 25 MB buckets while backward still runs; under gradient
+          accumulation only the last micro-batch synchronises (`no_sync`).
+  zero 1  DDP + ZeroRedundancyOptimizer: each rank keeps the AdamW state of its own share of the
+          parameters, steps those, and broadcasts the updated weights.
+  zero 2  FSDP2 `fully_shard(reshard_after_forward=False)`: gradients reduce-scattered, optimizer
+          state sharded; parameters stay gathered from forward through backward.
+  zero 3  FSDP2 `fully_shard(reshard_after_forward=True)`: parameters gathered per block just in
+          time, in forward and again in backward (≈1.5× the traffic of DP: Ultra-Scale Playbook).
+  HSDP    `parallel.dp_replicate > 1`: FSDP2 on a 2-D mesh, sharded within each group of
+          dp / dp_replicate ranks and replicated (all-reduced) across the groups.
+
+DDP cannot take DTensor parameters, so when data parallelism meets tensor parallelism it always
+runs as FSDP2 (zero 0/1 as zero 2: the same arithmetic, sharded state as a bonus).
+Mixed precision: under bf16 FSDP2 keeps bf16 parameters in flight and reduces in fp32
+(`MixedPrecisionPolicy`); DDP runs bf16 compute through autocast on fp32 weights. Either way the
+master weights, the reductions and the optimizer state are fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ultratron.parallel.dims import ParallelDims
+
+
+def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str) -> nn.Module:
+    """Shard each transformer block, then the root (which holds the embedding, the final norm and the
+    output head: with tied embeddings these share one parameter, so they must stay in one group)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else None,
+                              reduce_dtype=torch.float32)
+    reshard = dims.zero == 3
+    mesh = dims.dp_mesh
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    # The root's parameters are the first used in backward's end; keeping them gathered avoids an
+    # all-gather that would be needed again at once (as torchtitan does).
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    return model
+
+
+def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [dims.local_rank] if next(model.parameters()).is_cuda else None
+    # The rope tables are the only buffers and never change: no need to broadcast them each step.
+    ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False,
+                                  process_group=dims.dp_mesh.get_group())
+    ddp.args = model.args  # sampling and reporting read model.args
+    return ddp
+
+
+def apply_data_parallel(model: nn.Module, dims: ParallelDims, precision: str) -> nn.Module:
+    if dims.dp == 1:
+        return model
+    if dims.uses_fsdp:
+        return apply_fsdp(model, dims, precision)
+    return apply_ddp(model, dims)
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, dims: ParallelDims) -> torch.optim.Optimizer:
+    """ZeRO-1 with DDP: the same AdamW groups, each rank holding the state of its share."""
+    if dims.zero != 1 or dims.dp == 1 or dims.uses_fsdp:
+        return optimizer
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    groups = optimizer.param_groups
+    defaults = {k: v for k, v in optimizer.defaults.items()
+                if k in ("lr", "betas", "eps", "weight_decay")}
+    zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=type(optimizer),
+                                   process_group=dims.dp_mesh.get_group(), **{**defaults,
+                                   "weight_decay": groups[0]["weight_decay"]})
+    for group in groups[1:]:
+        zero.add_param_group({"params": group["params"], "weight_decay": group["weight_decay"]})
+    return zero
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Skip the gradient reduction on all but the last micro-batch of an accumulation."""
+    if enabled:
+        yield
+        return
+    if hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+        return
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+        return
+    yield
+
+
+def average_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """The mean of a per-rank scalar over the data-parallel ranks (tp ranks already agree)."""
+    if dims.dp == 1:
+        return value
+    value = value.detach().clone().float()
+    mesh = dims.dp_mesh
+    if mesh.ndim > 1:
+        for d in range(mesh.ndim):
+            dist.all_reduce(value, group=mesh.get_group(d))
+    else:
+        dist.all_reduce(value, group=mesh.get_group())
+    return value / dims.dp

@@ -1,0 +1,69 @@
+"""The global gradient norm when parameters live on different meshes, and clipping by it.
+
+`torch.nn.utils.clip_grad_norm_` stacks the per-parameter norms, which fails when some gradients
+are DTensors on one mesh and others plain tensors or DTensors on another mesh (tensor parallel
+without sequence parallel leaves the norm weights as plain tensors). Here each gradient adds its
+local sum of squares to a bucket named by the mesh dimensions it is sharded over; each bucket is
+summed over exactly those dimensions (replicated dimensions hold copies and must not be summed),
+and the buckets are added.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+
+def _local_square_sum(grad: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+    """(key of the mesh dimensions to sum over, this rank's sum of squares in fp32)."""
+    if not isinstance(grad, DTensor):
+        return (), grad.detach().float().pow(2).sum()
+    if any(isinstance(p, Partial) for p in grad.placements):
+        grad = grad.redistribute(placements=[Replicate() if isinstance(p, Partial) else p for p in grad.placements])
+    sharded = tuple(i for i, p in enumerate(grad.placements) if isinstance(p, Shard))
+    return (id(grad.device_mesh), sharded, grad.device_mesh), grad.to_local().detach().float().pow(2).sum()
+
+
+def global_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all gradients together, the same value on every rank (fp32, a plain tensor)."""
+    buckets: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float32))
+    meshes: dict[tuple, object] = {}
+    seen: set[int] = set()
+    for param in parameters:
+        if param.grad is None or id(param) in seen:  # tied weights appear once
+            continue
+        seen.add(id(param))
+        key, square_sum = _local_square_sum(param.grad)
+        bucket_key = key[:2]
+        buckets[bucket_key] = buckets[bucket_key].to(square_sum.device) + square_sum
+        if key:
+            meshes[bucket_key] = key[2]
+    total = None
+    # Parameters come in the same order on every rank, so the buckets (and collectives) do too.
+    for bucket_key, value in buckets.items():
+        if bucket_key:
+            mesh = meshes[bucket_key]
+            for dim in bucket_key[1]:
+                dist.all_reduce(value, group=mesh.get_group(dim))
+        total = value if total is None else total + value.to(total.device)
+    if total is None:
+        return torch.zeros(())
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale all gradients so their global norm is at most `max_norm`; returns the norm before."""
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = global_grad_norm(parameters)
+    if math.isfinite(max_norm):
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))
+        if coef < 1.0:
+            for grad in {id(p): p.grad for p in parameters}.values():
+                grad.mul_(coef)
+    return norm
