@@ -68,6 +68,6 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
     """Drop records after `last_step` (steps a crashed run logged past its last checkpoint),
     so a resumed run's metrics.jsonl holds each step once."""
     records = [r for r in read_metrics(run_dir) if r.get("step", 0) <= last_step]
-    tmp = run_dir / "metrics.jsonl.tmp"
+    tmp = run_dir / f"metrics.jsonl.tmp-{os.getpid()}"  # ranks of one run may trim at once
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     os.replace(tmp, run_dir / "metrics.jsonl")

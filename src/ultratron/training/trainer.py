@@ -21,8 +21,9 @@ from ultratron.data.prepare import prepare_data
 from ultratron.data.shards import ShardSet
 from ultratron.errors import CheckpointError, DataError
 from ultratron.models.llama import build_model
+from ultratron.parallel import runtime
 from ultratron.parallel.dims import ParallelDims
-from ultratron.parallel.parallelize import parallelize
+from ultratron.parallel.parallelize import micro_batch, parallelize
 from ultratron.planning.flops import mfu, training_flops_per_token
 from ultratron.planning.params import count_params_of
 from ultratron.training.loss import cross_entropy
@@ -55,18 +56,19 @@ class TrainResult:
 class Trainer:
     def __init__(self, cfg: Config, echo: bool = True):
         self.cfg = cfg
-        self.dims = ParallelDims.from_config(cfg.parallel)
+        self.dims = ParallelDims.from_config(cfg.parallel, cfg.model)
         self.run_dir = Path(cfg.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.log = RunLog(self.run_dir, echo=echo)
+        self.log = RunLog(self.run_dir, echo=echo) if self.dims.is_main else runtime.QuietLog()
         t = cfg.training
         if t.threads > 0:
             torch.set_num_threads(t.threads)
-        self.device = pick_device(t.device)
+        self.device = self.dims.init_distributed(pick_device(t.device))
         torch.manual_seed(t.seed)
 
         data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "data"
-        self.data = prepare_data(cfg.data, cfg.model.vocab_size, data_dir, log=self.log)
+        self.data = runtime.main_first(self.dims, lambda: prepare_data(cfg.data, cfg.model.vocab_size, data_dir,
+                                                                      log=self.log))
         self.tokenizer = self.data.tokenizer
         loader_args = dict(seq_len=t.seq_len, dp_rank=self.dims.dp_rank, dp_world=cfg.parallel.dp, seed=t.seed)
         self.train_loader = TokenLoader(ShardSet.open(self.data.train_dir),
@@ -75,7 +77,7 @@ class Trainer:
 
         self.model = build_model(cfg.model, self.device)
         self.model = parallelize(self.model, self.dims, cfg)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.optimizer = runtime.wrap_optimizer(build_optimizer(self.model, cfg.optim), self.dims)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep)
         self.step = 0
 
@@ -87,7 +89,8 @@ class Trainer:
         from ultratron.planning.hardware import peak_flops
 
         self.peak_flops, self.peak_source = peak_flops(self._device_name(), t.precision)
-        (self.run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
+        if self.dims.is_main:
+            (self.run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
 
     def _device_name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -96,9 +99,12 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         state = {"step": self.step, "loader": self.train_loader.state_dict(), "rng": rng_state(),
                  "config": to_dict(self.cfg)}
-        path = self.checkpoints.save(
-            self.step, model_state=self.model.state_dict(), optimizer_state=self.optimizer.state_dict(),
-            state=state, config_toml=to_toml(self.cfg), tokenizer_json=self.tokenizer.to_json())
+        if self.dims.distributed:
+            path = runtime.save_sharded(self, state)
+        else:
+            path = self.checkpoints.save(
+                self.step, model_state=self.model.state_dict(), optimizer_state=self.optimizer.state_dict(),
+                state=state, config_toml=to_toml(self.cfg), tokenizer_json=self.tokenizer.to_json())
         self.log(f"checkpoint: saved step {self.step} to {path}")
         return path
 
@@ -109,6 +115,8 @@ class Trainer:
         path = self.checkpoints.latest() if resume == "auto" else resume
         if path is None:
             self.log("checkpoint: resume=auto found no checkpoint; starting from step 0")
+            return
+        if runtime.resume_parallel(self, path):
             return
         parts = load_checkpoint(path, map_location=self.device)
         try:
@@ -132,15 +140,17 @@ class Trainer:
         set_lr(self.optimizer, lr)
         accum = cfg.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(accum):
+        for micro in range(accum):
             inputs, targets = (t.to(self.device, non_blocking=True) for t in self.train_loader.next_batch())
-            with autocast(cfg.training.precision, self.device):
-                logits = self.model(inputs)
-            loss, ce = cross_entropy(logits, targets, cfg.training.z_loss)
-            (loss / accum).backward()
-            loss_sum += ce.detach()
+            with micro_batch(self.model, self.dims, last=micro == accum - 1):
+                with autocast(cfg.training.precision, self.device):
+                    logits = self.model(inputs)
+                loss, ce = cross_entropy(logits, targets, cfg.training.z_loss)
+                (loss / accum).backward()
+            loss_sum += runtime.local_value(ce.detach())
         max_norm = cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = runtime.clip_grad_norm(self.model.parameters(), max_norm)
+        loss_sum = runtime.average_over_dp(loss_sum, self.dims)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -170,12 +180,14 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.training
         self.maybe_resume()
+        runtime.barrier(self.dims)  # every rank has resumed (and trimmed metrics) before rank 0 logs
         self.log(f"model: {self.n_params:,} parameters; {self.flops_per_token:.3g} training FLOPs/token; "
                  f"batch {t.batch_tokens:,} tokens = {cfg.grad_accum_steps} × {t.micro_batch_size} × {t.seq_len}"
                  f"{f' × dp {cfg.parallel.dp}' if cfg.parallel.dp > 1 else ''}; device {self.device}; "
                  f"precision {t.precision}")
         self.log(f"mfu: peak {self.peak_flops / 1e12:.3g} TFLOP/s ({self.peak_source})")
-        metrics = MetricsWriter(self.run_dir, tensorboard=cfg.run.tensorboard)
+        metrics = (MetricsWriter(self.run_dir, tensorboard=cfg.run.tensorboard) if self.dims.is_main
+                   else runtime.QuietMetrics())
         first_loss = final_loss = first_val = final_val = None
         if self.step == 0 and cfg.eval.interval > 0:
             first_val = self.validate()
@@ -227,7 +239,7 @@ class Trainer:
                            last_ckpt, self.peak_source)
 
     def _progress_bar(self, stop_at: int):
-        if not self.cfg.training.progress or self.step >= stop_at:
+        if not self.cfg.training.progress or self.step >= stop_at or not self.dims.is_main:
             return None
         from tqdm import tqdm
 
