@@ -1,0 +1,53 @@
+"""Load a checkpoint's model and tokenizer for inference (serving, evaluation, export)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ultratron.checkpoint.manager import load_checkpoint
+from ultratron.errors import CheckpointError
+
+# Wrappers that training may leave in parameter names (compile, DDP, activation checkpointing).
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_checkpoint_wrapped_module.")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object  # ultratron.data.tokenizer.Tokenizer
+    config: object  # ultratron.config.Config
+    checkpoint_dir: Path
+    step: int | None
+
+
+def clean_state_dict(state: dict) -> dict:
+    out = {}
+    for key, value in state.items():
+        for prefix in _WRAPPER_PREFIXES:
+            key = key.replace(prefix, "")
+        out[key] = value
+    return out
+
+
+def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
+    """The model (eval mode, fp32) and tokenizer of a checkpoint, run or checkpoints directory."""
+    from ultratron.config import load_config
+    from ultratron.data.tokenizer import Tokenizer
+    from ultratron.models.llama import build_model
+
+    parts = load_checkpoint(checkpoint, map_location=device, parts_to_load=("model",))
+    ckpt_dir = parts["dir"]
+    cfg = load_config(ckpt_dir / "config.toml")
+    model = build_model(cfg.model, device)
+    try:
+        model.load_state_dict(clean_state_dict(parts["model"]))
+    except RuntimeError as err:
+        raise CheckpointError(f"{ckpt_dir}: model weights do not fit its config.toml "
+                              f"({str(err).splitlines()[0]})") from None
+    model.eval().requires_grad_(False)
+    tokenizer = Tokenizer.load(ckpt_dir / "tokenizer.json")
+    done = (ckpt_dir / "complete").read_text().strip() if (ckpt_dir / "complete").is_file() else ""
+    return LoadedModel(model, tokenizer, cfg, ckpt_dir, int(done) if done.isdigit() else None)

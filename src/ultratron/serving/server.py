@@ -1,0 +1,415 @@
+"""An OpenAI-compatible HTTP server (FastAPI + uvicorn) for an ultratron checkpoint.
+
+Endpoints follow OpenAI's API and vLLM's extensions, so existing clients work unchanged:
+`/v1/models`, `/v1/completions`, `/v1/chat/completions` (with SSE streaming), `/tokenize`,
+`/detokenize`, `/tokenizer_info`, `/health`. Errors are OpenAI-shaped:
+`{"error": {"message", "type", "param", "code"}}` with a 4xx status for the client's mistakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ultratron.serving.batcher import Batcher
+from ultratron.serving.engine import SamplingParams, Sequence, TokenInfo
+
+ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool", "developer": "System"}
+
+
+def chat_prompt(messages: list[dict]) -> str:
+    """The chat template: one '### Role' block per message, then the assistant's turn.
+    The tokenizer is plain byte-level BPE, so the template is plain text too."""
+    parts = [f"### {ROLES.get(m['role'], m['role'].title())}\n{m['content']}\n\n" for m in messages]
+    return "".join(parts) + "### Assistant\n"
+
+
+CHAT_STOP = "\n###"
+
+
+@dataclass
+class ServerLimits:
+    max_body_bytes: int = 1 << 20
+    max_prompts: int = 64
+    max_n: int = 8
+    max_logprobs: int = 20
+    max_batch_rows: int = 32
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err.message, err.type, err.param, err.code), status_code=err.status)
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, penalties...) are accepted
+
+
+class CompletionRequest(_Open):
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatRequest(_Open):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+
+
+class TokenizeRequest(_Open):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Open):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(stops) > 4:
+        raise APIError(400, "at most 4 stop sequences are allowed", param="stop")
+    return tuple(s for s in stops if s)
+
+
+class Server:
+    """The app's state: model, tokenizer, batcher, limits."""
+
+    def __init__(self, model, tokenizer, model_name: str = "ultratron", api_key: str | None = None,
+                 limits: ServerLimits | None = None):
+        self.model, self.tokenizer, self.model_name, self.api_key = model, tokenizer, model_name, api_key
+        self.limits = limits or ServerLimits()
+        self.context = model.args.max_seq_len
+        self.vocab_size = model.args.vocab_size
+        self.created = int(time.time())
+        self.batcher = Batcher(model, tokenizer.eos_id, tokenizer.decode, self.limits.max_batch_rows)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def prompts_as_ids(self, prompt) -> list[tuple[list[int], str]]:
+        """Each prompt as (token ids, text)."""
+        if isinstance(prompt, str):
+            prompts: list = [prompt]
+        elif prompt and all(isinstance(x, int) for x in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if len(prompts) > self.limits.max_prompts:
+            raise APIError(400, f"at most {self.limits.max_prompts} prompts per request", param="prompt")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids = self.tokenizer.encode(p)
+                text = p
+            else:
+                bad = [t for t in p if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                                   param="prompt")
+                ids, text = list(p), self.tokenizer.decode(p)
+            if not ids:
+                raise APIError(400, "prompt must contain at least one token", param="prompt")
+            out.append((ids, text))
+        return out
+
+    def check_length(self, n_prompt: int, max_tokens: int, what: str = "prompt") -> None:
+        if n_prompt + max_tokens > self.context:
+            raise APIError(400, f"This model's maximum context length is {self.context} tokens. However, you "
+                           f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the {what}, {max_tokens} "
+                           f"in the completion). Please reduce the length.",
+                           param="max_tokens" if n_prompt < self.context else what,
+                           code="context_length_exceeded")
+
+    def offsets(self, text: str, ids: list[int], from_string: bool) -> list[int]:
+        """Character offset of each token in `text`."""
+        if from_string:
+            return [start for start, _ in self.tokenizer.hf.encode(text, add_special_tokens=False).offsets]
+        return [len(self.tokenizer.decode(ids[:i])) for i in range(len(ids))]
+
+    async def run(self, seqs: list[Sequence]) -> None:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def done(error):
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(error))
+
+        self.batcher.submit(seqs, done)
+        error = await future
+        if error is not None:
+            raise APIError(500, f"generation failed: {type(error).__name__}: {error}", type_="server_error")
+
+
+def _completion_logprobs(server: Server, infos: list[TokenInfo], offsets: list[int]) -> dict:
+    return {
+        "tokens": [server.token_text(t.id) for t in infos],
+        "token_logprobs": [t.logprob for t in infos],
+        "top_logprobs": [None if t.top is None else {server.token_text(i): lp for i, lp in t.top} for t in infos],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(server: Server, infos: list[TokenInfo]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = server.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in (t.top or [])]}
+                        for t in infos]}
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(title="ultratron", docs_url=None, redoc_url=None)
+    app.state.server = server
+    limits = server.limits
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        return _error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError):
+        errors = err.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return _error_response(APIError(400, f"request body is not valid JSON: {first.get('msg', '')}"))
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return _error_response(APIError(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
+                                        param=loc or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, err: StarletteHTTPException):
+        type_ = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(err.detail), type_), status_code=err.status_code)
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        if server.api_key and request.url.path != "/health":
+            header = request.headers.get("authorization", "")
+            if not header.startswith("Bearer ") or header[7:].strip() != server.api_key:
+                message = "Missing API key." if not header else "Incorrect API key provided."
+                return JSONResponse(error_body(message, "invalid_request_error", code="invalid_api_key"),
+                                    status_code=401)
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
+            return JSONResponse(error_body(f"request body is {length} bytes; the limit is {limits.max_body_bytes}",
+                                           "invalid_request_error", code="request_too_large"), status_code=413)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "ultratron", "max_model_len": server.context}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        server.check_model(req.model)
+        if req.n > limits.max_n:
+            raise APIError(400, f"n must be at most {limits.max_n}", param="n")
+        if req.logprobs is not None and req.logprobs > limits.max_logprobs:
+            raise APIError(400, f"logprobs must be at most {limits.max_logprobs}", param="logprobs")
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        prompts = server.prompts_as_ids(req.prompt)
+        for ids, _ in prompts:
+            server.check_length(len(ids), max_tokens)
+        if req.stream and req.echo:
+            raise APIError(400, "echo is not supported with stream", param="echo")
+        seqs, where = [], []
+        for p, (ids, _) in enumerate(prompts):
+            for k in range(req.n):
+                params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                        seed=None if req.seed is None else req.seed + k, stop=_stops(req.stop),
+                                        logprobs=req.logprobs, echo=req.echo)
+                seqs.append(Sequence(ids, params))
+                where.append(p)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            return StreamingResponse(_stream(server, seqs, rid, created, req.model, "text_completion"),
+                                     media_type="text/event-stream")
+        await server.run(seqs)
+        choices = []
+        for index, (seq, p) in enumerate(zip(seqs, where, strict=True)):
+            ids, text = prompts[p]
+            prefix = text if req.echo else ""
+            logprobs = None
+            if req.logprobs is not None:
+                infos = (seq.prompt_tokens if req.echo else []) + seq.tokens
+                gen_offsets = [len(prefix) + len(server.tokenizer.decode(seq.token_ids[:i]))
+                               for i in range(len(seq.tokens))]
+                offsets = (server.offsets(text, ids, isinstance(req.prompt, str) or
+                                          (isinstance(req.prompt, list) and isinstance(req.prompt[0], str)))
+                           if req.echo else []) + gen_offsets
+                logprobs = _completion_logprobs(server, infos, offsets)
+            choices.append({"index": index, "text": prefix + seq.text, "logprobs": logprobs,
+                            "finish_reason": seq.finish_reason})
+        return _response(rid, "text_completion", created, req.model, choices, prompts, seqs, req.n)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest):
+        server.check_model(req.model)
+        if req.n > limits.max_n:
+            raise APIError(400, f"n must be at most {limits.max_n}", param="n")
+        top = req.top_logprobs or 0
+        if top > limits.max_logprobs:
+            raise APIError(400, f"top_logprobs must be at most {limits.max_logprobs}", param="top_logprobs")
+        ids = server.tokenizer.encode(chat_prompt([m.model_dump() for m in req.messages]))
+        requested = req.max_completion_tokens or req.max_tokens
+        if len(ids) >= server.context:
+            server.check_length(len(ids), requested or 1, "messages")
+        max_tokens = requested if requested is not None else server.context - len(ids)
+        server.check_length(len(ids), max_tokens, "messages")
+        seqs = [Sequence(ids, SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                             seed=None if req.seed is None else req.seed + k,
+                                             stop=_stops(req.stop) + (CHAT_STOP,),
+                                             logprobs=top if req.logprobs else None))
+                for k in range(req.n)]
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            return StreamingResponse(_stream(server, seqs, rid, created, req.model, "chat.completion.chunk"),
+                                     media_type="text/event-stream")
+        await server.run(seqs)
+        choices = [{"index": i, "message": {"role": "assistant", "content": s.text},
+                    "logprobs": _chat_logprobs(server, s.tokens) if req.logprobs else None,
+                    "finish_reason": s.finish_reason} for i, s in enumerate(seqs)]
+        return _response(rid, "chat.completion", created, req.model, choices, [(ids, "")], seqs, req.n)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        if req.model is not None:
+            server.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        text = req.prompt if req.prompt is not None else chat_prompt([m.model_dump() for m in req.messages])
+        tokens = server.tokenizer.encode(text)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": server.context}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        if req.model is not None:
+            server.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < server.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
+        return {"prompt": server.tokenizer.decode(req.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        from ultratron.data.tokenizer import EOS_TOKEN
+
+        return {"eos_token": EOS_TOKEN, "eos_token_id": server.tokenizer.eos_id, "bos_token": None,
+                "pad_token": EOS_TOKEN, "model_max_length": server.context, "vocab_size": server.vocab_size,
+                "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": "### {Role}\\n{content}\\n\\n"}
+
+    return app
+
+
+def _response(rid, obj, created, model, choices, prompts, seqs, n) -> dict:
+    prompt_tokens = sum(len(ids) for ids, _ in prompts)
+    completion_tokens = sum(len(s.tokens) for s in seqs)
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+async def _stream(server: Server, seqs: list[Sequence], rid: str, created: int, model: str, obj: str):
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    index = {id(s): i for i, s in enumerate(seqs)}
+    for s in seqs:
+        s.on_text = lambda seq, piece: loop.call_soon_threadsafe(events.put_nowait, ("text", seq, piece))
+    server.batcher.submit(seqs, lambda error: loop.call_soon_threadsafe(events.put_nowait, ("done", error, None)))
+    chat = obj == "chat.completion.chunk"
+
+    def chunk(i: int, piece: str | None, finish: str | None, first: bool = False) -> dict:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
+            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": i, "text": piece or "", "logprobs": None, "finish_reason": finish}
+        return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+    if chat:
+        for i in range(len(seqs)):
+            yield _sse(chunk(i, None, None, first=True))
+    while True:
+        kind, a, b = await events.get()
+        if kind == "text":
+            yield _sse(chunk(index[id(a)], b, None))
+            continue
+        if a is not None:
+            yield _sse(error_body(f"generation failed: {a}", "server_error"))
+        else:
+            for i, s in enumerate(seqs):
+                yield _sse(chunk(i, None, s.finish_reason))
+        yield _sse("[DONE]")
+        return
+
+
+def serve(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
+    import uvicorn
+
+    uvicorn.run(create_app(server), host=host, port=port, log_level=log_level)

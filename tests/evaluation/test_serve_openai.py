@@ -1,0 +1,144 @@
+"""`ultratron serve` on loopback, driven by the official openai client and raw HTTP."""
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+
+def _client(served, key=None):
+    url, good = served
+    return openai.OpenAI(base_url=url + "/v1", api_key=key or good, max_retries=0, timeout=60)
+
+
+def _raw(served, path, body, key=None, method="POST"):
+    url, good = served
+    data = body if isinstance(body, bytes) else (None if body is None else json.dumps(body).encode())
+    headers = {"Content-Type": "application/json"}
+    if key is not False:
+        headers["Authorization"] = f"Bearer {key or good}"
+    req = urllib.request.Request(url + path, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_models_completions_and_logprobs_match_the_checkpoint(served, trained_checkpoint):
+    client = _client(served)
+    assert [m.id for m in client.models.list().data] == ["ultratron"]
+    out = client.completions.create(model="ultratron", prompt=["def ", "import "], max_tokens=8, temperature=0,
+                                    logprobs=3)
+    assert len(out.choices) == 2 and all(c.finish_reason in ("length", "stop") for c in out.choices)
+    assert out.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in out.choices)
+    # greedy text agrees with the local model, and the reported logprobs are the model's
+    from ultratron.serving.generate import generate
+    from ultratron.serving.loading import load_model
+
+    loaded = load_model(trained_checkpoint)
+    tok = loaded.tokenizer
+    ids = generate(loaded.model, tok.encode("def "), 8, temperature=0, stop_id=tok.eos_id)
+    assert out.choices[0].text == tok.decode(ids)
+    lp = out.choices[0].logprobs
+    assert all(len(top) == 3 and max(top.values()) == pytest.approx(lp.token_logprobs[i], abs=1e-5)
+               for i, top in enumerate(lp.top_logprobs))
+    # echo + logprobs over a token-id prompt, max_tokens=0: what lm-eval's loglikelihood uses
+    prompt_ids = tok.encode("for i in range(10):\n    print(i)\n")
+    echo = client.completions.create(model="ultratron", prompt=[prompt_ids], max_tokens=0, echo=True, logprobs=1,
+                                     temperature=0)
+    got = echo.choices[0].logprobs.token_logprobs
+    with torch.no_grad():
+        ref = torch.log_softmax(loaded.model(torch.tensor([prompt_ids])), -1)[0]
+    want = [None] + [float(ref[t - 1, prompt_ids[t]]) for t in range(1, len(prompt_ids))]
+    assert got[0] is None and max(abs(a - b) for a, b in zip(got[1:], want[1:], strict=True)) < 1e-4
+    assert echo.choices[0].text == tok.decode(prompt_ids)
+
+
+def test_chat_plain_and_streamed_agree(served):
+    client = _client(served)
+    messages = [{"role": "user", "content": "Write a Python function."}]
+    plain = client.chat.completions.create(model="ultratron", messages=messages, max_tokens=12, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    msg = plain.choices[0].message
+    assert msg.role == "assistant" and plain.choices[0].finish_reason in ("length", "stop")
+    assert len(plain.choices[0].logprobs.content) == plain.usage.completion_tokens
+    stream = client.chat.completions.create(model="ultratron", messages=messages, max_tokens=12, temperature=0,
+                                            stream=True)
+    pieces, finish = [], None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        pieces.append(delta.content or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert "".join(pieces) == msg.content and finish == plain.choices[0].finish_reason
+
+
+def test_seeded_sampling_stop_and_tokenizer_endpoints(served):
+    client = _client(served)
+    a, b = (client.completions.create(model="ultratron", prompt="class ", max_tokens=10, temperature=1.0, seed=5)
+            for _ in range(2))
+    assert a.choices[0].text == b.choices[0].text
+    status, toks = _raw(served, "/tokenize", {"prompt": "def f(x):", "add_special_tokens": False})
+    assert status == 200 and toks["count"] == len(toks["tokens"]) > 0
+    status, back = _raw(served, "/detokenize", {"tokens": toks["tokens"]})
+    assert status == 200 and back["prompt"] == "def f(x):"
+    status, info = _raw(served, "/tokenizer_info", None, method="GET")
+    assert status == 200 and info["eos_token"] == "<|endoftext|>"
+    full = client.completions.create(model="ultratron", prompt="def ", max_tokens=12, temperature=0).choices[0].text
+    cut = full[3:5]
+    if cut:
+        stopped = client.completions.create(model="ultratron", prompt="def ", max_tokens=12, temperature=0,
+                                            stop=[cut]).choices[0]
+        assert stopped.text == full[: full.find(cut)] and stopped.finish_reason == "stop"
+
+
+def test_concurrent_requests_are_batched_and_answered(served):
+    client = _client(served)
+    results = [None] * 6
+
+    def ask(i):
+        results[i] = client.completions.create(model="ultratron", prompt=f"x{i} = ", max_tokens=6,
+                                               temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    solo = client.completions.create(model="ultratron", prompt="x3 = ", max_tokens=6, temperature=0).choices[0].text
+    assert all(r is not None for r in results) and results[3] == solo
+
+
+@pytest.mark.parametrize("case", ["json", "model", "long", "nokey", "badkey", "field"])
+def test_bad_requests_get_openai_shaped_4xx_and_the_server_keeps_serving(served, case):
+    client = _client(served)
+    if case == "json":
+        status, body = _raw(served, "/v1/completions", b'{"model": "ultratron", "prompt": ')
+        assert status == 400
+    elif case == "model":
+        with pytest.raises(openai.NotFoundError) as err:
+            client.completions.create(model="gpt-17", prompt="hi", max_tokens=1)
+        status, body = err.value.status_code, err.value.body and {"error": err.value.body}
+        assert body["error"]["code"] == "model_not_found"
+    elif case == "long":
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="ultratron", prompt=[[5] * 200], max_tokens=1)
+        status, body = 400, {"error": err.value.body}
+        assert body["error"]["code"] == "context_length_exceeded" and "128" in body["error"]["message"]
+    elif case == "nokey":
+        status, body = _raw(served, "/v1/models", None, key=False, method="GET")
+        assert status == 401
+    elif case == "badkey":
+        with pytest.raises(openai.AuthenticationError) as err:
+            _client(served, key="wrong").models.list()
+        status, body = 401, {"error": err.value.body}
+    else:
+        status, body = _raw(served, "/v1/completions", {"model": "ultratron", "prompt": "a", "temperature": 9})
+        assert status == 400 and body["error"]["param"] == "temperature"
+    assert 400 <= status < 500 and body["error"]["message"] and body["error"]["type"]
+    ok = client.completions.create(model="ultratron", prompt="def ", max_tokens=2, temperature=0)
+    assert len(ok.choices) == 1
