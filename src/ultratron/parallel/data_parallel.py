@@ -51,7 +51,7 @@ def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
 
     device_ids = [dims.local_rank] if next(model.parameters()).is_cuda else None
     # The rope tables are the only buffers and never change: no need to broadcast them each step.
-    ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False,
+    ddp = DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False,
                                   process_group=dims.dp_mesh.get_group())
     ddp.args = model.args  # sampling and reporting read model.args
     return ddp

@@ -37,8 +37,8 @@ from ultratron.parallel.dims import ParallelDims
 def _block_plan(sp: bool) -> dict:
     residual = Shard(1) if sp else Replicate()  # how the residual stream lives between blocks
     plan = {
-        "attention": PrepareModuleInput(input_layouts=(residual, None, None),
-                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention": PrepareModuleInput(input_layouts=(residual, None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None)),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
