@@ -1,0 +1,114 @@
+"""Export to the Hugging Face Llama format: config.json, model.safetensors, tokenizer files.
+
+Two conventions differ from ours and are converted here:
+- RoPE: ultratron rotates interleaved (even, odd) channel pairs; HF Llama rotates the two halves
+  of each head (`rotate_half`). Permuting the rows of wq and wk per head — evens first, then
+  odds — makes the two identical (the same permutation Meta's conversion script applies).
+- Names: `layers.N.attention.wq` → `model.layers.N.self_attn.q_proj`, SwiGLU w1/w3/w2 →
+  gate/up/down_proj, and so on.
+QK-norm and soft-capping have no place in HF's Llama, so such models are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ultratron.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ExportError(UserError):
+    """A model or destination that cannot be exported as asked."""
+
+
+def rope_to_half_split(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder each head's rows from interleaved pairs (0,1),(2,3)… to halves (0,2,4…, 1,3,5…)."""
+    out_dim, in_dim = weight.shape
+    head_dim = out_dim // n_heads
+    return weight.view(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def check_exportable(args) -> None:
+    problems = []
+    if args.qk_norm:
+        problems.append("model.qk_norm=true: Hugging Face's Llama has no QK-norm")
+    if args.attn_softcap > 0:
+        problems.append(f"model.attn_softcap={args.attn_softcap}: Hugging Face's Llama has no attention soft-cap")
+    if args.final_softcap > 0:
+        problems.append(f"model.final_softcap={args.final_softcap}: Hugging Face's Llama has no logit soft-cap")
+    if problems:
+        raise ExportError([f"cannot export to the Hugging Face Llama format: {p}" for p in problems])
+
+
+def hf_config(args, eos_id: int, dtype: str) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": args.dim, "intermediate_size": args.ffn_dim, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "rope_scaling": None, "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": args.init_std,
+        "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": None, "use_cache": True,
+        "torch_dtype": dtype, "dtype": dtype,
+    }
+
+
+def hf_state_dict(state: dict, args, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Our parameter names and RoPE layout → HF Llama's."""
+    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
+    if not args.tie_embeddings:
+        out["lm_head.weight"] = state["output.weight"]
+    names = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+             "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+             "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
+             "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    for i in range(args.n_layers):
+        for ours, theirs in names.items():
+            weight = state[f"layers.{i}.{ours}.weight"]
+            if ours == "attention.wq":
+                weight = rope_to_half_split(weight, args.n_heads)
+            elif ours == "attention.wk":
+                weight = rope_to_half_split(weight, args.n_kv_heads)
+            out[f"model.layers.{i}.{theirs}.weight"] = weight
+    return {k: v.detach().to(dtype).contiguous().clone() for k, v in out.items()}
+
+
+def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "float32") -> Path:
+    """Write a Hugging Face Llama directory for `model` (an ultratron Llama) and its tokenizer."""
+    from safetensors.torch import save_file
+
+    from ultratron.data.tokenizer import EOS_TOKEN
+
+    args = model.args
+    check_exportable(args)
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ExportError(f"{out} exists and is not empty; choose a new --out directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    tensors = hf_state_dict(model.state_dict(), args, DTYPES[dtype])
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    write_json = lambda name, data: (tmp / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    write_json("config.json", hf_config(args, tokenizer.eos_id, dtype))
+    write_json("generation_config.json", {"eos_token_id": tokenizer.eos_id, "bos_token_id": None})
+    (tmp / "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
+    write_json("tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "bos_token": None,
+        "pad_token": None, "unk_token": None, "model_max_length": args.max_seq_len,
+        "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False})
+    write_json("special_tokens_map.json", {"eos_token": EOS_TOKEN})
+    if out.exists():
+        out.rmdir()
+    os.replace(tmp, out)
+    return out
