@@ -43,3 +43,14 @@ def test_resume_after_a_crash_drops_the_steps_logged_past_the_checkpoint(tiny_ov
     train(load_config(None, common + ["--checkpoint.resume", "auto"]), echo=False)
     steps = [r["step"] for r in read_metrics(run) if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_fresh_start_refuses_to_overwrite_checkpoints(tiny_overrides, tmp_path):
+    from ultratron.errors import CheckpointError
+
+    common = tiny_overrides + ["--training.steps", "2", "--eval.interval", "0"]
+    train(load_config(None, common), echo=False)
+    import pytest
+
+    with pytest.raises(CheckpointError, match="already holds checkpoints.*--checkpoint.resume auto"):
+        train(load_config(None, common), echo=False)

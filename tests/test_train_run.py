@@ -33,7 +33,7 @@ def test_run_directory_contents_and_metrics(tiny_overrides, tmp_path):
     assert ckpts == ["step-0000020", "step-0000030"]  # keep=2 pruned step 10
     assert (run / "checkpoints/latest").read_text().strip() == "step-0000030"
     assert list((run / "tensorboard").glob("events.out.tfevents*"))
-    assert result.sample and result.sample.startswith("def ")
+    assert result.sample and result.sample.startswith("def")
 
 
 def test_gradient_clipping_logs_the_norm_before_clipping(tiny_overrides, tmp_path):
@@ -71,3 +71,14 @@ def test_train_and_report_from_the_command_line(tiny_overrides, tmp_path):
     assert report.returncode == 0, report.stderr
     png = tmp_path / "run" / "report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_training_reads_a_prepared_shard_directory_directly(tiny_overrides, tmp_path):
+    first = train(load_config(None, tiny_overrides + ["--training.steps", "2", "--eval.interval", "0"]), echo=False)
+    prepared = first.run_dir / "data"  # tokenizer.json + train/ + val/, the same layout `ultratron data` writes
+    cfg = load_config(None, tiny_overrides + ["--training.steps", "2", "--eval.interval", "1",
+                                              "--data.path", str(prepared), "--run.dir", str(tmp_path / "again")])
+    again = train(cfg, echo=False)
+    assert not (tmp_path / "again" / "data").exists()  # nothing was re-tokenized
+    assert again.final_val_loss is not None
+    assert abs(again.first_loss - first.first_loss) < 1e-6  # same data, same seed, same first step

@@ -95,7 +95,8 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     # None: the built-in corpus (the running interpreter's standard library). Otherwise a
-    # directory of text files, a text file or a JSONL file with a "text" field.
+    # directory of text files, a text file, a JSONL file with a "text" field, or a prepared
+    # directory (tokenizer.json + train/ [+ val/] shards, as `ultratron data run` writes it).
     path: str | None = None
     tokenizer: str | None = None  # a tokenizer.json to load instead of training one
     held_out_fraction: float = 0.05  # share of files kept for validation, chosen by file hash

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ultratron.data.shards import ShardWriter, write_json_atomic
+from ultratron.data.shards import META, ShardWriter, write_json_atomic
 from ultratron.data.sources import Document, held_out, iter_documents
 from ultratron.data.tokenizer import Tokenizer, train_tokenizer
 from ultratron.errors import DataError
@@ -61,7 +61,39 @@ def _write(docs: Iterator[Document], tokenizer: Tokenizer, out_dir: Path) -> dic
     return writer.close({"n_bytes": n_bytes})
 
 
+def is_prepared_dir(path: str | Path | None) -> bool:
+    """A directory that already holds a tokenizer and train shards (e.g. `ultratron data`'s shard stage)."""
+    return path is not None and (Path(path) / "tokenizer.json").is_file() and (Path(path) / "train" / META).is_file()
+
+
+def open_prepared(path: str | Path, vocab_size: int, log: Callable[[str], None] = print) -> PreparedData:
+    """Use a prepared directory as it is: tokenizer.json, train/ and optionally val/ shards."""
+    path = Path(path)
+    tokenizer = Tokenizer.load(path / "tokenizer.json")
+    if tokenizer.vocab_size > vocab_size:
+        raise DataError(f"{path}/tokenizer.json has {tokenizer.vocab_size} tokens but model.vocab_size={vocab_size}; "
+                        "raise model.vocab_size")
+    summary = {"source": str(path)}
+    splits = {}
+    for split in ("train", "val"):
+        meta_path = path / split / META
+        if not meta_path.is_file():
+            continue
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if meta.get("tokenizer_sha256") != tokenizer.sha256:
+            raise DataError(f"{path / split}: shards were written with another tokenizer than {path}/tokenizer.json")
+        splits[split] = path / split
+        summary[split] = {k: meta.get(k) for k in ("n_documents", "n_tokens")}
+    log(f"data: using prepared shards in {path} (train {summary['train']['n_tokens']:,} tokens"
+        + (f", held-out {summary['val']['n_tokens']:,} tokens)" if "val" in splits else ", no held-out split)"))
+    return PreparedData(tokenizer, splits["train"], splits.get("val"), summary)
+
+
 def prepare_data(data_cfg, vocab_size: int, out_dir: str | Path, log: Callable[[str], None] = print) -> PreparedData:
+    """Tokenizer and shards for `data_cfg`: used as they are when data.path is a prepared directory,
+    otherwise built from the text (and cached in `out_dir`)."""
+    if is_prepared_dir(data_cfg.path):
+        return open_prepared(data_cfg.path, vocab_size, log)
     out_dir = Path(out_dir)
     stamp = out_dir / "prepared.json"
     fingerprint = _fingerprint(data_cfg, vocab_size)

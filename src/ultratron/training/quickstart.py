@@ -10,7 +10,9 @@ Any config field can be overridden as in `ultratron train`, e.g. --training.step
 from __future__ import annotations
 
 import argparse
+import shutil
 import time
+from pathlib import Path
 
 # The quickstart's defaults: sized so that 2 CPU cores finish in about five minutes.
 QUICKSTART_OVERRIDES = [
@@ -31,12 +33,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(_accepts_overrides=True)
 
 
+def _clear_previous_run(run_dir: Path) -> None:
+    """The quickstart always starts over; the prepared data (tokenizer, shards) is kept for reuse."""
+    removed = []
+    for name in ("checkpoints", "tensorboard", "metrics.jsonl", "train.log", "report.png"):
+        path = run_dir / name
+        if path.exists():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            removed.append(name)
+    if removed:
+        print(f"quickstart: starting over in {run_dir} (removed the previous {', '.join(removed)})")
+
+
 def run(args) -> int:
     from ultratron.config import load_config
     from ultratron.training.report import draw_report
     from ultratron.training.trainer import train
 
     cfg = load_config(None, QUICKSTART_OVERRIDES + ["--run.dir", args.run_dir] + list(args.overrides))
+    _clear_previous_run(Path(cfg.run.dir))
     start = time.perf_counter()
     result = train(cfg)
     png = draw_report(result.run_dir)
@@ -54,6 +69,8 @@ def run(args) -> int:
         drop = 1 - result.final_val_loss / result.first_val_loss
         lines.append(f"  validation loss: {result.first_val_loss:.3f} at step 0 → {result.final_val_loss:.3f} "
                      f"at step {result.steps_done} ({drop:.0%} lower)")
+    else:
+        lines.append("  validation loss: not measured (the held-out split is shorter than one micro-batch)")
     print("\n".join(lines))
     if result.sample:
         print("\nsample:\n" + result.sample)

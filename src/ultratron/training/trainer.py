@@ -111,10 +111,17 @@ class Trainer:
     def maybe_resume(self) -> None:
         resume = self.cfg.checkpoint.resume
         if resume == "none":
+            existing = self.checkpoints.latest()
+            if existing is not None:
+                raise CheckpointError(
+                    f"run.dir {str(self.run_dir)!r} already holds checkpoints (latest: {existing.name}); "
+                    "pass --checkpoint.resume auto to continue that run, or choose a new --run.dir")
+            truncate_metrics(self.run_dir, -1)  # a fresh start: drop records of an earlier attempt
             return
         path = self.checkpoints.latest() if resume == "auto" else resume
         if path is None:
             self.log("checkpoint: resume=auto found no checkpoint; starting from step 0")
+            truncate_metrics(self.run_dir, -1)
             return
         if runtime.resume_parallel(self, path):
             return
@@ -248,7 +255,7 @@ class Trainer:
         return bar
 
     @torch.no_grad()
-    def sample(self, prompt: str = "def ") -> str:
+    def sample(self, prompt: str = "def") -> str:
         from ultratron.serving.generate import generate
 
         self.model.eval()
