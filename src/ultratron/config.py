@@ -116,6 +116,20 @@ class CheckpointConfig:
 class EvalConfig:
     interval: int = 50  # validation loss on the held-out split every N steps (and at the end)
     batches: int = 8  # micro-batches per validation
+    # Task evaluation (ultratron.evaluation) in a separate process every N steps; 0 disables.
+    task_interval: int = 0
+    tasks: str = "builtin"  # comma-separated: builtin, built-in task names, task files
+    max_examples: int = 100  # per task
+    endpoint: str | None = None  # an OpenAI-compatible base URL for `ultratron eval` (default: local)
+    endpoint_model: str | None = None
+    api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the endpoint's key
+    concurrency: int = 4  # requests in flight to the endpoint
+    timeout: float = 60.0  # seconds per request
+    max_retries: int = 3  # per request, with exponential backoff (the openai client's)
+    price_per_request: float = 0.0
+    price_per_1k_prompt_tokens: float = 0.0
+    price_per_1k_completion_tokens: float = 0.0
+    final_wait: float = 300.0  # seconds the end of training waits for the last task evaluation
 
 
 @dataclass
