@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
 def _local_square_sum(grad: torch.Tensor) -> tuple[tuple, torch.Tensor]:
@@ -25,7 +25,8 @@ def _local_square_sum(grad: torch.Tensor) -> tuple[tuple, torch.Tensor]:
         return (), grad.detach().float().pow(2).sum()
     if any(isinstance(p, Partial) for p in grad.placements):
         grad = grad.redistribute(placements=[Replicate() if isinstance(p, Partial) else p for p in grad.placements])
-    sharded = tuple(i for i, p in enumerate(grad.placements) if isinstance(p, Shard))
+    # FSDP over a tensor-parallel dimension 0 uses _StridedShard, which is not a Shard subclass.
+    sharded = tuple(i for i, p in enumerate(grad.placements) if not isinstance(p, (Replicate, Partial)))
     return (id(grad.device_mesh), sharded, grad.device_mesh), grad.to_local().detach().float().pow(2).sum()
 
 
