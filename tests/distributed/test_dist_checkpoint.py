@@ -1,0 +1,52 @@
+"""Sharded checkpoints reshard: saved under dp2×tp2 (FSDP + TP + SP), resumed under dp4 and under
+one process, the next steps' losses equal those of the run that kept going (the one-process
+reference, which every layout matches to 1e-5 — see test_dist_equivalence)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from dist_common import STEPS, launch, records
+
+from ultratron.checkpoint.distributed import is_sharded_checkpoint
+from ultratron.config import load_config
+from ultratron.training.trainer import train
+
+SAVE_AT = 3
+DP2_TP2 = ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.sp", "true", "--parallel.zero", "3"]
+
+
+@pytest.fixture(scope="module")
+def resharded(dist_base, references, tmp_path_factory):
+    root = tmp_path_factory.mktemp("reshard")
+    saved = root / "dp2xtp2"
+    ckpt = saved / "checkpoints" / f"step-{SAVE_AT:07d}"
+    launch(4, [
+        dist_base + DP2_TP2 + ["--run.dir", str(saved), "--training.stop_after", str(SAVE_AT)],
+        dist_base + ["--parallel.dp", "4", "--run.dir", str(root / "dp4"), "--checkpoint.resume", str(ckpt)],
+    ])
+    shutil.copytree(saved, root / "dp2xtp2-copy")  # the one-process resume must not need the original
+    train(load_config(None, dist_base + ["--run.dir", str(root / "one"), "--checkpoint.resume",
+                                         str(root / "dp2xtp2-copy" / "checkpoints" / "latest")]), echo=False)
+    return {"ckpt": ckpt, "dp4": records(root / "dp4"), "one": records(root / "one"), "saved": records(saved)}
+
+
+def test_checkpoint_is_sharded_and_complete(resharded):
+    ckpt = resharded["ckpt"]
+    assert is_sharded_checkpoint(ckpt) and (ckpt / "complete").is_file()
+    assert (ckpt.parent / "latest").read_text().strip() == ckpt.name
+    assert len(list((ckpt / "dcp").glob("*.distcp"))) == 4  # one file of shards per rank
+    assert not list(ckpt.parent.glob(".tmp-*"))
+    assert [r["step"] for r in resharded["saved"]] == list(range(1, SAVE_AT + 1))
+
+
+@pytest.mark.parametrize("layout", ["dp4", "one"])
+def test_resumed_steps_equal_the_run_that_kept_going(resharded, references, layout):
+    got = resharded[layout]
+    assert [r["step"] for r in got] == list(range(SAVE_AT + 1, STEPS + 1))
+    expected = {r["step"]: r for r in references["fp32"]}
+    for record in got:
+        ref = expected[record["step"]]
+        assert abs(record["loss"] - ref["loss"]) <= 1e-5 * ref["loss"], (layout, record, ref)
+        assert abs(record["grad_norm"] - ref["grad_norm"]) <= 1e-4, (layout, record, ref)
