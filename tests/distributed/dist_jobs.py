@@ -10,3 +10,32 @@ def train_runs(runs: list[list[str]]) -> None:
 
     for overrides in runs:
         train(load_config(None, overrides), echo=False)
+
+
+def measure_zero_stages(base: list[str], out_dir: str) -> None:
+    """For zero 0..3 under dp2: bytes of parameters, gradients (after backward) and optimizer state
+    (after a step) this rank holds, written to out_dir/rank<r>.json."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from ultratron.config import load_config
+    from ultratron.parallel.memory import measured_bytes
+    from ultratron.parallel.parallelize import micro_batch
+    from ultratron.training.loss import cross_entropy
+    from ultratron.training.trainer import Trainer
+
+    results = {}
+    for zero in range(4):
+        trainer = Trainer(load_config(None, base + ["--parallel.dp", "2", "--parallel.zero", str(zero),
+                                                    "--run.dir", f"{out_dir}/zero{zero}"]), echo=False)
+        inputs, targets = trainer.train_loader.next_batch()
+        with micro_batch(trainer.model, trainer.dims, last=True):
+            cross_entropy(trainer.model(inputs), targets)[0].backward()
+        after_backward = measured_bytes(trainer.model, trainer.optimizer)
+        trainer.optimizer.step()
+        after_step = measured_bytes(trainer.model, trainer.optimizer)
+        results[zero] = {"parameters": after_step["parameters"], "gradients": after_backward["gradients"],
+                         "optimizer_states": after_step["optimizer_states"]}
+    Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
