@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("ultratron.training.report", "draw a run's curves (loss, grad norm, lr, tokens/s) into one PNG"),
     "plan": ("ultratron.planning.cli", "memory per GPU, compute-optimal scaling, fastest parallel layout"),
     "data": ("ultratron.data.cli", "data curation pipeline: read, dedup, filter, tokenize, shard"),
+    "launch": ("ultratron.parallel.launch", "ultratron train on N processes via torchrun, or a Slurm script"),
     "eval": ("ultratron.evaluation.cli", "evaluate a checkpoint or an OpenAI-compatible endpoint on task suites"),
     "serve": ("ultratron.serving.cli", "serve a checkpoint behind an OpenAI-compatible HTTP API"),
     "export": ("ultratron.checkpoint.hf_cli", "export a checkpoint: ultratron export hf --checkpoint DIR --out DIR"),
