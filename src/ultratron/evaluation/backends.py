@@ -1,0 +1,227 @@
+"""Where log-likelihoods and generations come from: a local checkpoint, or any OpenAI-compatible
+endpoint (vLLM, ultratron serve, a hosted reference model) through the `openai` client.
+
+Both backends split a (context, continuation) pair the same way: the whole string is tokenized
+and the continuation's tokens are those that hold any of its characters (by character offsets),
+so both agree exactly on our own server and stay meaningful for any other tokenizer.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+
+def continuation_positions(offsets: list[int], text_len: int, context_len: int) -> list[int]:
+    """Indices of tokens (given their start offsets) that contain any character past `context_len`."""
+    ends = offsets[1:] + [text_len]
+    return [i for i, end in enumerate(ends) if end > context_len]
+
+
+class LocalBackend:
+    """A model in this process: batched scoring, KV-cached batched generation."""
+
+    def __init__(self, model, tokenizer, batch_tokens: int = 8192):
+        self.model, self.tokenizer, self.batch_tokens = model, tokenizer, batch_tokens
+        self.context = model.args.max_seq_len
+        self.device = next(model.parameters()).device
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint, device: str = "cpu") -> LocalBackend:
+        from ultratron.serving.loading import load_model
+
+        loaded = load_model(checkpoint, device)
+        backend = cls(loaded.model, loaded.tokenizer)
+        backend.step = loaded.step
+        return backend
+
+    def describe(self) -> str:
+        return "local checkpoint"
+
+    @torch.no_grad()
+    def _score(self, rows: list[list[int]]) -> list[torch.Tensor]:
+        """Per row: log-probabilities (len-1, vocab) of each next token, batched by length."""
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+        start = 0
+        while start < len(order):
+            width = len(rows[order[start]])
+            count = max(1, self.batch_tokens // max(width, 1))
+            chunk = order[start: start + count]
+            batch = torch.zeros(len(chunk), width, dtype=torch.long)
+            for j, i in enumerate(chunk):
+                batch[j, : len(rows[i])] = torch.tensor(rows[i])
+            logp = torch.log_softmax(self.model(batch.to(self.device)).float(), dim=-1).cpu()
+            for j, i in enumerate(chunk):
+                out[i] = logp[j, : len(rows[i]) - 1]
+            start += count
+        return out
+
+    def loglikelihood(self, pairs: list[tuple[str, str]]) -> list[tuple[float, bool]]:
+        rows, targets = [], []
+        for context, continuation in pairs:
+            text = context + continuation
+            enc = self.tokenizer.hf.encode(text, add_special_tokens=False)
+            ids = enc.ids
+            positions = [p for p in continuation_positions([s for s, _ in enc.offsets], len(text), len(context))
+                         if p > 0]
+            cut = max(0, len(ids) - self.context)  # keep the end: drop the oldest context
+            rows.append(ids[cut:])
+            targets.append([p - cut for p in positions if p - cut > 0])
+        results = []
+        for ids, logp, pos in zip(rows, self._score(rows), targets, strict=True):
+            total = sum(float(logp[p - 1, ids[p]]) for p in pos)
+            greedy = all(int(logp[p - 1].argmax()) == ids[p] for p in pos)
+            results.append((total, greedy))
+        return results
+
+    def rolling_loglikelihood(self, texts: list[str]) -> list[tuple[float, int, int]]:
+        """Per text: (sum of log-probabilities, tokens scored, bytes scored); every token but the first."""
+        rows, owners = [], []
+        meta = []
+        for t, text in enumerate(texts):
+            enc = self.tokenizer.hf.encode(text, add_special_tokens=False)
+            ids = enc.ids
+            first_end = enc.offsets[1][0] if len(ids) > 1 else len(text)
+            meta.append((len(ids) - 1, len(text[first_end:].encode("utf-8"))))
+            stride = self.context - 1
+            for start in range(0, max(1, len(ids) - 1), stride):
+                rows.append(ids[start: start + self.context])
+                owners.append(t)
+        sums = [0.0] * len(texts)
+        for ids, logp, t in zip(rows, self._score(rows), owners, strict=True):
+            sums[t] += float(logp.gather(1, torch.tensor(ids[1:])[:, None]).sum())
+        return [(s, n, b) for s, (n, b) in zip(sums, meta, strict=True)]
+
+    def generate(self, requests: list[tuple[str, tuple[str, ...], int]]) -> list[str]:
+        from ultratron.serving.engine import SamplingParams, Sequence, run_batch
+
+        seqs = []
+        for prompt, stop, max_tokens in requests:
+            ids = self.tokenizer.encode(prompt)[-(self.context - max_tokens):]
+            seqs.append(Sequence(ids, SamplingParams(max_tokens=max_tokens, temperature=0, stop=stop)))
+        for start in range(0, len(seqs), 32):
+            run_batch(self.model, seqs[start: start + 32], self.tokenizer.eos_id, self.tokenizer.decode)
+        return [s.text for s in seqs]
+
+
+@dataclass
+class UsageCounter:
+    """Requests, tokens and cost of the calls made to an endpoint (thread-safe)."""
+
+    price_per_request: float = 0.0
+    price_per_1k_prompt_tokens: float = 0.0
+    price_per_1k_completion_tokens: float = 0.0
+    requests: int = 0
+    failed_requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, usage) -> None:
+        with self._lock:
+            self.requests += 1
+            if usage is not None:
+                self.prompt_tokens += usage.prompt_tokens or 0
+                self.completion_tokens += usage.completion_tokens or 0
+
+    @property
+    def cost(self) -> float:
+        return (self.requests * self.price_per_request + self.prompt_tokens / 1000 * self.price_per_1k_prompt_tokens
+                + self.completion_tokens / 1000 * self.price_per_1k_completion_tokens)
+
+    def summary(self) -> dict:
+        return {"requests": self.requests, "failed_requests": self.failed_requests,
+                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "cost": round(self.cost, 6)}
+
+
+class EndpointBackend:
+    """Any OpenAI-compatible API. Log-likelihood: completions with echo + logprobs (the legacy
+    scoring call lm-eval uses); generation: chat completions (or completions), greedy."""
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, *,
+                 concurrency: int = 4, timeout: float = 60.0, max_retries: int = 3, prompts_per_request: int = 8,
+                 generation_api: str = "chat", usage: UsageCounter | None = None):
+        import openai
+
+        base = base_url.rstrip("/")
+        self.client = openai.OpenAI(base_url=base if base.endswith("/v1") else base + "/v1",
+                                    api_key=api_key or "EMPTY", timeout=timeout, max_retries=max_retries)
+        self.model = model or self.client.models.list().data[0].id
+        self.concurrency, self.prompts_per_request = concurrency, prompts_per_request
+        self.generation_api = generation_api
+        self.usage = usage or UsageCounter()
+        self.base_url = base
+
+    def describe(self) -> str:
+        return f"endpoint {self.base_url} model {self.model}"
+
+    def _map(self, fn, items: list) -> list:
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            return list(pool.map(fn, items))
+
+    def _call(self, create, **kwargs):
+        try:
+            response = create(model=self.model, **kwargs)
+        except Exception:
+            with self.usage._lock:
+                self.usage.failed_requests += 1
+            raise
+        self.usage.add(getattr(response, "usage", None))
+        return response
+
+    def _echo(self, texts: list[str]) -> list:
+        """Logprobs of every prompt token of each text (in groups of prompts per request)."""
+        groups = [texts[i: i + self.prompts_per_request] for i in range(0, len(texts), self.prompts_per_request)]
+
+        def score(group):
+            response = self._call(self.client.completions.create, prompt=group, max_tokens=1, temperature=0,
+                                  echo=True, logprobs=1)
+            return sorted(response.choices, key=lambda c: c.index)
+
+        return [choice.logprobs for chunk in self._map(score, groups) for choice in chunk]
+
+    def loglikelihood(self, pairs: list[tuple[str, str]]) -> list[tuple[float, bool]]:
+        texts = [c + x for c, x in pairs]
+        results = []
+        for (context, _), text, lp in zip(pairs, texts, self._echo(texts), strict=True):
+            n = sum(1 for off in lp.text_offset if off < len(text))  # the echoed prompt, not the new token
+            offsets = list(lp.text_offset[:n])
+            positions = [p for p in continuation_positions(offsets, len(text), len(context)) if p > 0]
+            total = sum(lp.token_logprobs[p] for p in positions)
+            greedy = all(lp.top_logprobs[p] and max(lp.top_logprobs[p], key=lp.top_logprobs[p].get) == lp.tokens[p]
+                         for p in positions)
+            results.append((float(total), greedy))
+        return results
+
+    def rolling_loglikelihood(self, texts: list[str]) -> list[tuple[float, int, int]]:
+        out = []
+        for text, lp in zip(texts, self._echo(texts), strict=True):
+            n = sum(1 for off in lp.text_offset if off < len(text))
+            scored = [x for x in lp.token_logprobs[1:n] if x is not None]
+            first_end = lp.text_offset[1] if n > 1 else len(text)
+            out.append((float(sum(scored)), len(scored), len(text[first_end:].encode("utf-8"))))
+        return out
+
+    def generate(self, requests: list[tuple[str, tuple[str, ...], int]]) -> list[str]:
+        def one(req):
+            prompt, stop, max_tokens = req
+            stop = list(stop)[:4] or None
+            if self.generation_api == "chat":
+                r = self._call(self.client.chat.completions.create, messages=[{"role": "user", "content": prompt}],
+                               max_tokens=max_tokens, temperature=0, stop=stop)
+                return r.choices[0].message.content or ""
+            r = self._call(self.client.completions.create, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                           stop=stop)
+            return r.choices[0].text
+
+        return self._map(one, requests)
+
+
+def bits_per_byte(nll_nats: float, n_bytes: int) -> float:
+    return nll_nats / math.log(2) / max(n_bytes, 1)

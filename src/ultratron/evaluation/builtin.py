@@ -1,0 +1,125 @@
+"""The built-in suite, made from the held-out split of the built-in corpus (standard-library
+.py files that training never sees). Deterministic: fixed file order and seeds.
+
+- builtin_bpb: bits per byte on the start of held-out files.
+- builtin_next_line: which of four lines really follows the context (distractors from other files).
+- builtin_identifier_cloze: which identifier fills a blank in a line (candidates from the same file).
+- builtin_arithmetic: two-number sums and differences, few-shot, greedy generation, exact match.
+"""
+
+from __future__ import annotations
+
+import functools
+import keyword
+import random
+import re
+
+from ultratron.evaluation.tasks import ChoiceExample, GenerationExample, Task, TextExample
+
+BUILTIN_TASKS = ("builtin_bpb", "builtin_next_line", "builtin_identifier_cloze", "builtin_arithmetic")
+HELD_OUT_FRACTION = 0.05  # the trainer's default data.held_out_fraction
+PER_TASK = 200
+CONTEXT_LINES, CONTEXT_CHARS = 3, 150
+_IDENT = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]{3,}\b")
+
+
+def held_out_documents(fraction: float = HELD_OUT_FRACTION) -> list[tuple[str, str]]:
+    from ultratron.data.sources import BUILTIN_EXCLUDED_DIRS, _walk_files, builtin_corpus_root, held_out
+
+    root = builtin_corpus_root()
+    docs = []
+    for path in _walk_files(root, (".py",), BUILTIN_EXCLUDED_DIRS):
+        doc_id = str(path.relative_to(root))
+        if not held_out(doc_id, fraction):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            docs.append((doc_id, text))
+    return sorted(docs)
+
+
+def _good_line(line: str) -> bool:
+    s = line.strip()
+    return 12 <= len(s) <= 70 and not s.startswith("#")
+
+
+def _names(text: str) -> set[str]:
+    return {m.group() for m in _IDENT.finditer(text) if not keyword.iskeyword(m.group())}
+
+
+def _context(lines: list[str], i: int) -> str:
+    return ("\n".join(lines[max(0, i - CONTEXT_LINES): i]) + "\n")[-CONTEXT_CHARS:]
+
+
+def next_line_task(docs, rng: random.Random) -> Task:
+    pools = [[ln for ln in text.splitlines() if _good_line(ln)] for _, text in docs]
+    examples = []
+    for d, (_, text) in enumerate(docs):
+        lines = text.splitlines()
+        # the real line reuses a name from its context, so a model that reads the context can tell
+        spots = [i for i in range(CONTEXT_LINES, len(lines)) if _good_line(lines[i])
+                 and _names(lines[i]) & _names(_context(lines, i))]
+        for i in rng.sample(spots, min(4, len(spots))):
+            seen = _names(_context(lines, i))
+            # distractors of a similar length that share no name with the context
+            close = sorted({ln for j, p in enumerate(pools) if j != d for ln in p
+                            if abs(len(ln) - len(lines[i])) <= max(3, len(lines[i]) // 8) and not _names(ln) & seen})
+            if len(close) < 3:
+                continue
+            distractors = rng.sample(close, 3)
+            choices = distractors + [lines[i]]
+            rng.shuffle(choices)
+            examples.append(ChoiceExample(_context(lines, i), choices, choices.index(lines[i])))
+    rng.shuffle(examples)
+    return Task("builtin_next_line", "multiple_choice", examples[:PER_TASK])
+
+
+def identifier_cloze_task(docs, rng: random.Random) -> Task:
+    examples = []
+    for _, text in docs:
+        lines = text.splitlines()
+        names = sorted({m.group() for m in _IDENT.finditer(text) if not keyword.iskeyword(m.group())})
+        if len(names) < 4:
+            continue
+        spots = []
+        for i in range(CONTEXT_LINES, len(lines)):
+            if not _good_line(lines[i]):
+                continue
+            context = _context(lines, i)
+            for m in _IDENT.finditer(lines[i]):
+                if not keyword.iskeyword(m.group()) and m.group() in context:
+                    spots.append((i, m))
+                    break
+        for i, m in rng.sample(spots, min(4, len(spots))):
+            word = m.group()
+            choices = rng.sample([n for n in names if n != word], 3) + [word]
+            rng.shuffle(choices)
+            context = _context(lines, i) + lines[i][: m.start()]
+            examples.append(ChoiceExample(context, choices, choices.index(word), suffix=lines[i][m.end():]))
+    rng.shuffle(examples)
+    return Task("builtin_identifier_cloze", "cloze", examples[:PER_TASK])
+
+
+def arithmetic_task(rng: random.Random) -> Task:
+    def problem() -> tuple[str, str]:
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        op = rng.choice("+-")
+        return f"{a} {op} {b} =", str(a + b if op == "+" else a - b)
+
+    examples = []
+    for _ in range(PER_TASK):
+        shots = "".join(f"{q} {ans}\n" for q, ans in (problem() for _ in range(3)))
+        q, ans = problem()
+        examples.append(GenerationExample(shots + q, ans, ("\n",), max_tokens=6))
+    return Task("builtin_arithmetic", "generation", examples)
+
+
+@functools.lru_cache(maxsize=2)
+def builtin_suite(fraction: float = HELD_OUT_FRACTION) -> tuple[Task, ...]:
+    docs = held_out_documents(fraction)
+    bpb = Task("builtin_bpb", "text", [TextExample(text[:1500]) for _, text in docs[:PER_TASK]])
+    return (bpb, next_line_task(docs, random.Random(1)), identifier_cloze_task(docs, random.Random(2)),
+            arithmetic_task(random.Random(3)))
