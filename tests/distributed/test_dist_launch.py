@@ -1,0 +1,71 @@
+"""A layout that does not divide stops before training with one clear message; `ultratron train`
+runs under torchrun as written; `ultratron launch` builds the torchrun command and a Slurm script."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from dist_common import TINY, records
+
+from ultratron.cli import main
+
+
+def _cli(*args: str, env_extra: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_tp_that_does_not_divide_heads_stops_with_one_message(tmp_path):
+    run = tmp_path / "run"
+    result = _cli("-m", "ultratron", "train", *TINY, "--model.n_heads", "8", "--model.n_kv_heads", "8",
+                  "--parallel.tp", "3", "--run.dir", str(run))
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: parallel.tp=3 does not divide model.n_heads=8 and model.n_kv_heads=8"]
+    assert "Traceback" not in result.stderr and not run.exists()
+
+
+def test_world_size_not_equal_to_the_layout_stops_before_training(tmp_path):
+    run = tmp_path / "run"
+    result = _cli("-m", "ultratron", "train", *TINY, "--parallel.dp", "2", "--parallel.tp", "2", "--run.dir", str(run),
+                  env_extra={"WORLD_SIZE": "2", "RANK": "0"})
+    assert result.returncode == 2, result.stderr
+    assert "dp×tp×pp×cp = 2×2×1×1 = 4 does not equal the number of processes (2)" in result.stderr
+    assert "Traceback" not in result.stderr and not (run / "metrics.jsonl").exists()
+
+
+def test_hsdp_needs_a_sharded_stage(tmp_path):
+    result = _cli("-m", "ultratron", "train", *TINY, "--training.batch_tokens", "1024", "--parallel.dp", "4",
+                  "--parallel.dp_replicate", "2",
+                  "--run.dir", str(tmp_path / "run"), env_extra={"WORLD_SIZE": "4", "RANK": "0"})
+    assert result.returncode == 2 and "needs parallel.zero 2 or 3, got 0" in result.stderr
+
+
+def test_train_under_torchrun_two_processes(dist_base, references, tmp_path):
+    run = tmp_path / "run"
+    result = _cli("-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m", "ultratron", "train",
+                  *dist_base, "--parallel.dp", "2", "--parallel.zero", "3", "--run.dir", str(run))
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = records(run)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]  # logged once, by rank 0
+    for mine, ref in zip(got, references["fp32"], strict=True):
+        assert abs(mine["loss"] - ref["loss"]) <= 1e-5 * ref["loss"]
+    assert (run / "checkpoints" / "step-0000005" / "dcp" / ".metadata").is_file()
+    assert (run / "train.log").read_text().count("checkpoint: saved step 5") == 1
+
+
+def test_launch_dry_run_and_slurm_script(tmp_path, capsys):
+    assert main(["launch", "--nproc-per-node", "4", "--dry-run", "--", "--parallel.tp", "2"]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=4", "--nnodes=1", "--max-restarts=0",
+                           "--standalone", "-m", "ultratron", "train", "--parallel.tp", "2"]
+    script = tmp_path / "job.sbatch"
+    assert main(["launch", "--nproc-per-node", "8", "--nnodes", "2", "--slurm", str(script), "--",
+                 "--config", "run.toml"]) == 0
+    text = script.read_text()
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text
+    assert "--rdzv-endpoint=$HEAD_NODE:$PORT" in text and "--nnodes=2" in text
+    assert text.rstrip().endswith("-m ultratron train --config run.toml")
+    assert main(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--dry-run"]) == 2  # needs an endpoint
