@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-TRAIN_STEPS = 120
+TRAIN_STEPS = 200
 # The root conftest's TINY model, with a 128-token context.
 TINY = [
     "--model.preset", "tiny", "--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",
