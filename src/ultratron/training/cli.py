@@ -15,6 +15,7 @@ directory receives config.toml, metrics.jsonl, TensorBoard events, train.log and
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +34,7 @@ def run(args) -> int:
     from ultratron.training.trainer import train
 
     result = train(cfg)
-    if result.final_loss is not None:
+    if result.final_loss is not None and os.environ.get("RANK", "0") == "0":  # once under torchrun
         print(f"trained to step {result.steps_done}: loss {result.final_loss:.4f}"
               + (f", validation loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else "")
               + f"; run directory {result.run_dir}")
