@@ -213,7 +213,7 @@ class Trainer:
                 self._check_peak(tokens_per_sec)
                 record = {"step": self.step, **record, "tokens": self.step * t.batch_tokens,
                           "tokens_per_sec": tokens_per_sec, "step_time": elapsed,
-                          "mfu": mfu(tokens_per_sec, self.flops_per_token, self.peak_flops)}
+                          "mfu": mfu(tokens_per_sec / self.dims.world_size, self.flops_per_token, self.peak_flops)}
                 if not math.isfinite(record["loss"]):
                     raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; lower optim.lr "
                                              "or enable training.grad_clip")
