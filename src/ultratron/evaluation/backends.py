@@ -8,12 +8,28 @@ so both agree exactly on our own server and stay meaningful for any other tokeni
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+
+
+def token_windows(ids: list[int], size: int) -> list[list[int]]:
+    """Windows of `size` tokens overlapping by one, so every token but the first is scored once.
+    (`size` is the context less one, leaving room for the token an endpoint must generate.)"""
+    return [ids[start: start + size] for start in range(0, max(1, len(ids) - 1), size - 1)]
+
+
+def fit_context(context: str, continuation: str, count_tokens, limit: int) -> str:
+    """Drop the context's oldest characters (a line at a time, then a character at a time) until
+    context + continuation takes at most `limit` tokens; both backends cut the same way."""
+    while context and count_tokens(context + continuation) > limit:
+        cut = context.find("\n")
+        context = context[cut + 1:] if 0 <= cut < len(context) - 1 else context[1:]
+    return context
 
 
 def continuation_positions(offsets: list[int], text_len: int, context_len: int) -> list[int]:
@@ -63,7 +79,9 @@ class LocalBackend:
 
     def loglikelihood(self, pairs: list[tuple[str, str]]) -> list[tuple[float, bool]]:
         rows, targets = [], []
+        count = lambda text: len(self.tokenizer.encode(text))
         for context, continuation in pairs:
+            context = fit_context(context, continuation, count, self.context - 1)
             text = context + continuation
             enc = self.tokenizer.hf.encode(text, add_special_tokens=False)
             ids = enc.ids
@@ -88,9 +106,8 @@ class LocalBackend:
             ids = enc.ids
             first_end = enc.offsets[1][0] if len(ids) > 1 else len(text)
             meta.append((len(ids) - 1, len(text[first_end:].encode("utf-8"))))
-            stride = self.context - 1
-            for start in range(0, max(1, len(ids) - 1), stride):
-                rows.append(ids[start: start + self.context])
+            for window in token_windows(ids, self.context - 1):
+                rows.append(window)
                 owners.append(t)
         sums = [0.0] * len(texts)
         for ids, logp, t in zip(rows, self._score(rows), owners, strict=True):
@@ -187,6 +204,10 @@ class EndpointBackend:
         return [choice.logprobs for chunk in self._map(score, groups) for choice in chunk]
 
     def loglikelihood(self, pairs: list[tuple[str, str]]) -> list[tuple[float, bool]]:
+        probe = self._tokenize("x")
+        if probe is not None:  # the server can count tokens: fit every pair into its context
+            count = lambda text: len(self._tokenize(text)[0])
+            pairs = [(fit_context(c, x, count, probe[1] - 1), x) for c, x in pairs]
         texts = [c + x for c, x in pairs]
         results = []
         for (context, _), text, lp in zip(pairs, texts, self._echo(texts), strict=True):
@@ -199,7 +220,27 @@ class EndpointBackend:
             results.append((float(total), greedy))
         return results
 
+    def _tokenize(self, text: str) -> tuple[list[int], int] | None:
+        """Token ids and context length from the vLLM-style /tokenize extension, if the server has it."""
+        import urllib.request
+
+        root = self.base_url.removesuffix("/v1")
+        req = urllib.request.Request(root + "/tokenize", data=json.dumps({"prompt": text, "add_special_tokens": False,
+                                                                          "model": self.model}).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {self.client.api_key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                body = json.loads(resp.read())
+            return body["tokens"], int(body["max_model_len"])
+        except (OSError, ValueError, KeyError):
+            return None
+
     def rolling_loglikelihood(self, texts: list[str]) -> list[tuple[float, int, int]]:
+        tokenized = [self._tokenize(t) for t in texts]
+        if all(t is not None for t in tokenized):
+            return [self._rolling_tokens(text, ids, context) for text, (ids, context) in zip(texts, tokenized,
+                                                                                            strict=True)]
         out = []
         for text, lp in zip(texts, self._echo(texts), strict=True):
             n = sum(1 for off in lp.text_offset if off < len(text))
@@ -207,6 +248,23 @@ class EndpointBackend:
             first_end = lp.text_offset[1] if n > 1 else len(text)
             out.append((float(sum(scored)), len(scored), len(text[first_end:].encode("utf-8"))))
         return out
+
+    def _rolling_tokens(self, text: str, ids: list[int], context: int) -> tuple[float, int, int]:
+        windows = token_windows(ids, context - 1)
+        groups = [windows[i: i + self.prompts_per_request] for i in range(0, len(windows), self.prompts_per_request)]
+
+        def score(group):
+            response = self._call(self.client.completions.create, prompt=group, max_tokens=1, temperature=0,
+                                  echo=True, logprobs=0)
+            return [c.logprobs for c in sorted(response.choices, key=lambda c: c.index)]
+
+        total, count, first = 0.0, 0, None
+        for window, lp in zip(windows, [x for chunk in self._map(score, groups) for x in chunk], strict=True):
+            first = lp.tokens[0] if first is None else first
+            values = lp.token_logprobs[1: len(window)]
+            total += float(sum(values))
+            count += len(values)
+        return total, count, len(text.encode("utf-8")) - len(first.encode("utf-8"))
 
     def generate(self, requests: list[tuple[str, tuple[str, ...], int]]) -> list[str]:
         def one(req):

@@ -19,7 +19,7 @@ from ultratron.evaluation.tasks import ChoiceExample, GenerationExample, Task, T
 BUILTIN_TASKS = ("builtin_bpb", "builtin_next_line", "builtin_identifier_cloze", "builtin_arithmetic")
 HELD_OUT_FRACTION = 0.05  # the trainer's default data.held_out_fraction
 PER_TASK = 200
-CONTEXT_LINES, CONTEXT_CHARS = 3, 150
+CONTEXT_LINES, CONTEXT_CHARS = 3, 100
 _IDENT = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]{3,}\b")
 
 
