@@ -9,6 +9,7 @@ so read the figures as overhead of the layout on this machine, not as scaling.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -75,6 +76,7 @@ def main() -> None:
         step_time = statistics.median(r["step_time"] for r in records)
         rows.append((name, world, step_time, statistics.median(r["tokens_per_sec"] for r in records),
                      records[-1]["loss"], wall))
+    shutil.rmtree(root, ignore_errors=True)
     reference = rows[0][2]
     print(f"{'layout':<20} {'ranks':>5} {'step s':>8} {'tokens/s':>10} {'vs 1 proc':>9} {'final loss':>10}")
     for name, world, step_time, tokens, loss, _wall in rows:
