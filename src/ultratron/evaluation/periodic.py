@@ -107,8 +107,17 @@ class PeriodicEvaluator:
         self.log(f"eval: step {step}: {shown}")
         return [record]
 
-    def finish(self, timeout: float) -> list[dict]:
-        """At the end of training: wait up to `timeout` s for a running evaluation, then collect it."""
+    def finish(self, timeout: float, trainer=None, last_checkpoint: Path | None = None) -> list[dict]:
+        """At the end of training: wait up to `timeout` s for a running evaluation and collect it;
+        if the last step's evaluation was skipped because one was running, run it now."""
+        records = self._wait(timeout)
+        if trainer is not None and trainer.step in self.skipped:
+            self.skipped.remove(trainer.step)
+            self.after_step(trainer, _Collect(records), last_checkpoint)
+            records += self._wait(timeout)
+        return records
+
+    def _wait(self, timeout: float) -> list[dict]:
         if self._proc is not None:
             deadline = time.monotonic() + timeout
             while self._proc.poll() is None and time.monotonic() < deadline:
@@ -145,3 +154,13 @@ class PeriodicEvaluator:
             fresh = last_checkpoint if last_checkpoint is not None and last_checkpoint.name == step_dir_name(
                 step) else None
             self.maybe_launch(step, trainer.model, to_toml(trainer.cfg), trainer.tokenizer.to_json(), fresh)
+
+
+class _Collect:
+    """Stands in for the metrics writer: keeps records instead of writing them."""
+
+    def __init__(self, records: list[dict]):
+        self.records = records
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)

@@ -204,6 +204,9 @@ class Trainer:
         stop_at = t.steps if t.stop_after <= 0 else min(t.steps, self.step + t.stop_after)
         bar = self._progress_bar(stop_at)
         last_ckpt = None
+        from ultratron.evaluation.periodic import PeriodicEvaluator
+
+        periodic = PeriodicEvaluator(cfg, self.run_dir, self.log, enabled=not self.dims.distributed)
         try:
             while self.step < stop_at:
                 start = time.perf_counter()
@@ -236,7 +239,11 @@ class Trainer:
                 interval = cfg.checkpoint.interval
                 if (interval > 0 and self.step % interval == 0) or self.step == stop_at:
                     last_ckpt = self.save_checkpoint()
+                periodic.after_step(self, metrics, last_ckpt)  # task evaluation in a child process
+            for record in periodic.finish(cfg.eval.final_wait, self, last_ckpt):
+                metrics.write(record)
         finally:
+            periodic.close()
             if bar is not None:
                 bar.close()
                 self.log._writer = None
