@@ -25,6 +25,8 @@ import re
 import unicodedata
 from collections import Counter
 
+import numpy as np
+
 from ultratron.data.pipeline import StageContext
 
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})  # Gopher's list
@@ -40,6 +42,11 @@ Verdict = tuple[str | None, object]  # (failed rule or None, measured value)
 
 
 # ---- Gopher repetition ------------------------------------------------------------------------
+#
+# The n-gram rules run on integer ids, in numpy: each word gets an id (its first position), and
+# the n-grams get exact ids one n at a time — the n-gram at i is the pair (its (n-1)-gram id, the
+# id of word i+n-1), packed into one int64 and numbered by np.unique. No hashing, so no
+# collisions: two n-grams share an id exactly when their word tuples are equal.
 
 def _dup_stats(items: list[str]) -> tuple[float, float]:
     """(share of items that repeat an earlier one, share of characters in such repeats)."""
@@ -56,27 +63,89 @@ def _dup_stats(items: list[str]) -> tuple[float, float]:
     return dup_count / len(items), dup_chars / max(total_chars, 1)
 
 
-def _top_ngram_char_frac(words: list[str], n: int) -> float:
-    if len(words) < n:
-        return 0.0
-    counts = Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
-    gram, count = counts.most_common(1)[0]
-    if count < 2:
-        return 0.0
-    return sum(len(w) for w in gram) * count / max(sum(len(w) for w in words), 1)
+class _NGrams:
+    """Exact n-gram ids over one document's words, built up n by n as the rules ask for them."""
+
+    def __init__(self, words: list[str]):
+        m = len(words)
+        first = dict(zip(reversed(words), range(m - 1, -1, -1), strict=True))  # word → first position
+        self.word_ids = np.fromiter(map(first.__getitem__, words), dtype=np.int64, count=m)
+        self.lengths = np.fromiter(map(len, words), dtype=np.int64, count=m)
+        self.cum = np.concatenate([[0], np.cumsum(self.lengths)])
+        self.total_chars = int(self.cum[-1])
+        self.m = m
+        self._n, self._ids = 1, self.word_ids
+        self._stats: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._distinct_from = m + 1  # every n-gram with n ≥ this is unique in the document
+
+    @staticmethod
+    def _group(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """np.unique(keys, return_index, return_inverse, return_counts) without the sorted
+        values: (id per position, count per id, first position per id)."""
+        order = np.argsort(keys, kind="stable")
+        ordered = keys[order]
+        new = np.empty(len(keys), dtype=bool)
+        new[0] = True
+        np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+        heads = np.nonzero(new)[0]
+        ids = np.empty(len(keys), dtype=np.int64)
+        ids[order] = np.cumsum(new) - 1
+        return ids, np.diff(heads, append=len(keys)), order[heads]  # stable: heads are first seen
+
+    def repeats(self, n: int) -> bool:
+        """Whether some n-gram occurs twice. Once no k-gram repeats, no longer one can."""
+        if n >= self._distinct_from or self.m < n:
+            return False
+        _, counts, _ = self.stats(n)
+        if len(counts) == self.m - n + 1:
+            self._distinct_from = min(self._distinct_from, n)
+            return False
+        return True
+
+    def stats(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(id per n-gram position, count per id, first position per id)."""
+        if n == 1 and 1 not in self._stats:
+            self._stats[1] = self._group(self.word_ids)
+        while self._n < n:
+            k = self._n + 1  # grams of length k start at 0 … m-k
+            pairs = (self._ids[:self.m - k + 1] << np.int64(32)) | self.word_ids[k - 1:]
+            self._stats[k] = self._group(pairs)
+            self._n, self._ids = k, self._stats[k][0]
+        return self._stats[n]
+
+    def gram_chars(self, start: int, n: int) -> int:
+        return int(self.cum[start + n] - self.cum[start])
 
 
-def _dup_ngram_char_frac(words: list[str], n: int) -> float:
-    if len(words) < n:
+def _top_ngram_char_frac(words: list[str] | _NGrams, n: int) -> float:
+    """Characters of the most common n-gram (first seen wins a tie) × its count, over all
+    word characters; 0 when no n-gram repeats."""
+    grams = words if isinstance(words, _NGrams) else _NGrams(words)
+    if not grams.repeats(n):
         return 0.0
-    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
-    counts = Counter(grams)
-    covered = [False] * len(words)
-    for i, gram in enumerate(grams):
-        if counts[gram] > 1:
-            covered[i:i + n] = [True] * n
-    dup = sum(len(w) for w, c in zip(words, covered, strict=True) if c)
-    return dup / max(sum(len(w) for w in words), 1)
+    _, counts, first = grams.stats(n)
+    best = int(counts.max())
+    if best < 2:
+        return 0.0
+    start = int(first[counts == best].min())  # Counter.most_common(1): earliest among equals
+    return grams.gram_chars(start, n) * best / max(grams.total_chars, 1)
+
+
+def _dup_ngram_char_frac(words: list[str] | _NGrams, n: int) -> float:
+    """Share of word characters covered by an n-gram that occurs more than once."""
+    grams = words if isinstance(words, _NGrams) else _NGrams(words)
+    if not grams.repeats(n):
+        return 0.0
+    ids, counts, _ = grams.stats(n)
+    starts = np.nonzero(counts[ids] > 1)[0]
+    if not len(starts):
+        return 0.0
+    edges = np.zeros(grams.m + 1, dtype=np.int64)
+    edges[starts] += 1  # starts are distinct, so plain fancy-index updates are exact
+    edges[starts + n] -= 1
+    repeated = np.cumsum(edges[:grams.m]) > 0
+    dup = int(grams.lengths[repeated].sum())
+    return dup / max(grams.total_chars, 1)
 
 
 def gopher_repetition(text: str, f) -> Verdict:
@@ -92,13 +161,13 @@ def gopher_repetition(text: str, f) -> Verdict:
         return "dup_line_frac", round(line_frac, 3)
     if line_chars > f.dup_line_char_frac:
         return "dup_line_char_frac", round(line_chars, 3)
-    words = text.lower().split()
+    grams = _NGrams(text.lower().split())
     for n, limit in sorted(f.top_ngram_char_frac.items(), key=lambda kv: int(kv[0])):
-        value = _top_ngram_char_frac(words, int(n))
+        value = _top_ngram_char_frac(grams, int(n))
         if value > limit:
             return f"top_{n}gram_char_frac", round(value, 3)
     for n, limit in sorted(f.dup_ngram_char_frac.items(), key=lambda kv: int(kv[0])):
-        value = _dup_ngram_char_frac(words, int(n))
+        value = _dup_ngram_char_frac(grams, int(n))
         if value > limit:
             return f"dup_{n}gram_char_frac", round(value, 3)
     return None, None
@@ -106,14 +175,32 @@ def gopher_repetition(text: str, f) -> Verdict:
 
 # ---- Gopher quality ---------------------------------------------------------------------------
 
+# whole whitespace-separated tokens with no ASCII letter ((?<!\S) … (?!\S) are token edges; \s
+# and str.split() agree on what whitespace is). Only these can lack a letter or an alphanumeric
+# character, so only they are checked one by one: in Latin-script text, a few punctuation and
+# number tokens.
+_NO_ASCII_ALPHA = re.compile(r"(?<!\S)[^\sA-Za-z]++(?!\S)")
+_ASCII_DIGIT = re.compile(r"[0-9]")
+
+
+def _tokens_without_alpha_or_alnum(text: str) -> tuple[list[str], list[str]]:
+    """(tokens without an alphabetic character, tokens without an alphanumeric one)."""
+    candidates = _NO_ASCII_ALPHA.findall(text)
+    no_alpha = [tok for tok in candidates if not any(ch.isalpha() for ch in tok)]
+    no_alnum = [tok for tok in no_alpha if not _ASCII_DIGIT.search(tok) and not any(ch.isalnum() for ch in tok)]
+    return no_alpha, no_alnum
+
+
 def gopher_quality(text: str, f) -> Verdict:
     words = text.split()
-    real = [w for w in words if any(ch.isalnum() for ch in w)]  # punctuation-only tokens are not words
-    if len(real) < f.min_words:
-        return "min_words", len(real)
-    if len(real) > f.max_words:
-        return "max_words", len(real)
-    mean_len = sum(len(w) for w in real) / len(real)
+    # punctuation-only tokens are not words; counts and characters of the rest by subtraction
+    no_alpha, not_real = _tokens_without_alpha_or_alnum(text)
+    n_real = len(words) - len(not_real)
+    if n_real < f.min_words:
+        return "min_words", n_real
+    if n_real > f.max_words:
+        return "max_words", n_real
+    mean_len = (len("".join(words)) - len("".join(not_real))) / n_real
     if mean_len < f.min_mean_word_len:
         return "min_mean_word_len", round(mean_len, 2)
     if mean_len > f.max_mean_word_len:
@@ -129,10 +216,15 @@ def gopher_quality(text: str, f) -> Verdict:
         ellipsis = sum(ln.endswith(ELLIPSES) for ln in lines) / len(lines)
         if ellipsis > f.max_ellipsis_lines_frac:
             return "max_ellipsis_lines_frac", round(ellipsis, 3)
-    alpha = sum(any(ch.isalpha() for ch in w) for w in words) / len(words)
+    alpha = (len(words) - len(no_alpha)) / len(words)
     if alpha < f.min_alpha_words_frac:
         return "min_alpha_words_frac", round(alpha, 3)
-    stops = sum(w.lower().strip(".,;:!?\"'()") in STOP_WORDS for w in words)
+    stops = 0
+    for w in words:  # stop at the minimum: the count is reported only when it falls short
+        if w.lower().strip(".,;:!?\"'()") in STOP_WORDS:
+            stops += 1
+            if stops >= f.min_stop_words:
+                break
     if stops < f.min_stop_words:
         return "min_stop_words", stops
     return None, None
@@ -187,10 +279,16 @@ def fineweb(text: str, f) -> Verdict:
 # ---- punctuation density ---------------------------------------------------------------------------
 
 def punctuation(text: str, f) -> Verdict:
-    chars = [ch for ch in text if not ch.isspace()]
-    if not chars:
+    counts = Counter(text)  # per distinct character: a document has few of them
+    n_chars = n_punct = 0
+    for ch, count in counts.items():
+        if not ch.isspace():
+            n_chars += count
+            if unicodedata.category(ch)[0] in "PS":
+                n_punct += count
+    if not n_chars:
         return "no_characters", 0
-    share = sum(unicodedata.category(ch)[0] in "PS" for ch in chars) / len(chars)
+    share = n_punct / n_chars
     if share > f.max_punct_frac:
         return "max_punct_frac", round(share, 3)
     return None, None
