@@ -7,7 +7,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from dist_common import STEPS, launch, records
+from dist_common import STEPS, dist_base_fixture, launch, records, references_fixture  # noqa: F401 (fixtures)
 
 from ultratron.checkpoint.distributed import is_sharded_checkpoint
 from ultratron.config import load_config

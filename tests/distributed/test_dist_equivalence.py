@@ -10,7 +10,7 @@ matmul inputs, and the reduction order differs, so differences of a few 1e-3 are
 from __future__ import annotations
 
 import pytest
-from dist_common import STEPS, launch, records
+from dist_common import STEPS, dist_base_fixture, launch, records, references_fixture  # noqa: F401 (fixtures)
 
 LAYOUTS_2 = {
     "dp2-zero0": ["--parallel.dp", "2", "--parallel.zero", "0"],

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from dist_common import TINY, records
+from dist_common import TINY, dist_base_fixture, records, references_fixture  # noqa: F401 (fixtures)
 
 from ultratron.cli import main
 

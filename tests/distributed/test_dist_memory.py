@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from dist_common import dist_base_fixture, references_fixture  # noqa: F401 (fixtures)
 
 from ultratron.config import load_config
 from ultratron.planning.memory import Layout, estimate_memory
