@@ -88,3 +88,13 @@ def test_bad_config_on_the_command_line_gives_one_line_and_no_traceback():
 
 def test_config_is_a_plain_dataclass_tree():
     assert set(vars(Config())) == {"model", "parallel", "training", "optim", "data", "checkpoint", "eval", "run"}
+
+
+def test_example_configs_load():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    tiny = load_config(root / "tiny.toml")
+    assert tiny.grad_accum_steps == 1 and tiny.model.vocab_size == 4096
+    big = load_config(root / "llama3-8b-8gpu.toml")
+    assert big.grad_accum_steps == 16 and big.parallel.zero == 3 and big.model.dim == 4096
