@@ -214,8 +214,11 @@ def _maybe_die_for_test() -> None:
 # ---- per-document map over parts --------------------------------------------------------------
 
 # A document function returns (record or None, reason, cluster, detail): None removes the
-# document for `reason`; a record with a reason is kept but modified.
+# document for `reason`; a record with a reason is kept but modified. A stage module may also
+# offer `make_batch_fn(stage, cfg, side)`: a function of (records, index of the first) that
+# returns one such result per record, for work that is faster in batches (tokenizing).
 DocResult = tuple[dict | None, str | None, str | None, Any]
+BATCH_DOCS = 256  # documents per batch for stages with a batch function
 
 
 @dataclass
@@ -228,24 +231,47 @@ class PartTask:
     side: Any = None  # per-part data from the stage's global phase (e.g. which documents to drop)
 
 
+def _batch_fn(module, stage: str, cfg: DataPipelineConfig, side: Any) -> Callable[[list[dict], int], list[DocResult]]:
+    if hasattr(module, "make_batch_fn"):
+        return module.make_batch_fn(stage, cfg, side)
+    doc_fn: Callable[[dict, int], DocResult] = module.make_doc_fn(stage, cfg, side)
+    return lambda records, start: [doc_fn(r, start + i) for i, r in enumerate(records)]
+
+
 def process_part(task: PartTask) -> dict:
     """Run a stage's document function over one part. Top-level, so processes and Ray can call it."""
     cfg = from_dict(task.cfg)
     module = importlib.import_module(STAGE_MODULES[task.stage])
-    doc_fn: Callable[[dict, int], DocResult] = module.make_doc_fn(task.stage, cfg, task.side)
+    batch_fn = _batch_fn(module, task.stage, cfg, task.side)
+    batch_size = BATCH_DOCS if hasattr(module, "make_batch_fn") else 1
     writer = PartWriter(Path(task.out_dir), task.name)
     index = 0
-    for line_no, record, problem in iter_records(Path(task.in_path)):
-        if record is None:
-            writer.bad_input(f"{task.name}:{line_no}", problem)
-            continue
-        before = n_bytes(record["text"])
-        out, reason, cluster, detail = doc_fn(record, index)
-        index += 1
-        if out is None:
-            writer.removed(record, reason, cluster, detail)
-        else:
-            writer.kept(out, bytes_in=before, reason=reason, detail=detail, cluster=cluster)
+    pending: list[tuple[int, dict | None, str | None]] = []  # in input order, bad lines included
+
+    def flush() -> None:
+        nonlocal index
+        records = [record for _, record, _ in pending if record is not None]
+        results = iter(batch_fn(records, index))
+        index += len(records)
+        for line_no, record, problem in pending:
+            if record is None:
+                writer.bad_input(f"{task.name}:{line_no}", problem)
+                continue
+            out, reason, cluster, detail = next(results)
+            if out is None:
+                writer.removed(record, reason, cluster, detail)
+            else:
+                writer.kept(out, bytes_in=n_bytes(record["text"]), reason=reason, detail=detail, cluster=cluster)
+        pending.clear()
+
+    n_records = 0
+    for item in iter_records(Path(task.in_path)):
+        pending.append(item)
+        n_records += item[1] is not None
+        if n_records >= batch_size:
+            flush()
+            n_records = 0
+    flush()
     return writer.close()
 
 

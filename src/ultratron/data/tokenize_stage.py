@@ -38,6 +38,17 @@ def _load(path: str):
     return Tokenizer.load(path)
 
 
+def make_batch_fn(stage, cfg, side):
+    """Encode `pipeline.BATCH_DOCS` documents per call to the tokenizer (Rust, threaded)."""
+    tokenizer = _load(side)
+
+    def fn(records: list[dict], start: int):
+        encoded = tokenizer.encode_batch([r["text"] for r in records]) if records else []
+        return [({**r, "tokens": ids}, None, None, None) for r, ids in zip(records, encoded, strict=True)]
+
+    return fn
+
+
 def make_doc_fn(stage, cfg, side):
     tokenizer = _load(side)
 

@@ -1,0 +1,39 @@
+"""The tokenize stage encodes in batches: tokens equal one-at-a-time encoding, and the
+decision log keeps input order with malformed lines between and across batches."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from ultratron.data import pipeline
+from ultratron.data.pipeline import run_stage
+from ultratron.data.pipeline_config import from_dict
+from ultratron.data.tokenizer import Tokenizer
+
+
+def test_batched_tokenize_matches_single_encoding_and_keeps_order(tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "BATCH_DOCS", 4)  # several batches in a 13-document part
+    rng = random.Random(0)
+    words = "the river of a garden café 東京 мир 3.14 {x: y}".split()
+    lines = [json.dumps({"id": f"d{i}", "text": " ".join(rng.choice(words) for _ in range(30)), "n": i},
+                        ensure_ascii=False) for i in range(13)]
+    for at in (0, 5, 9, 15):
+        lines.insert(at, '{"id": "broken", "text": ')
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    cfg = from_dict({"pipeline": {"progress": False}, "tokenize": {"vocab_size": 300}})
+    summary = run_stage("tokenize", cfg, src, tmp_path / "out")
+
+    assert summary["docs_in"] == 17 and summary["docs_out"] == 13 and summary["removed"] == {"malformed_jsonl": 4}
+    tokenizer = Tokenizer.load(tmp_path / "out" / "tokenizer.json")
+    out = [json.loads(line) for line in (tmp_path / "out" / "in.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [r["n"] for r in out] == list(range(13))
+    assert all(r["tokens"] == tokenizer.encode(r["text"]) for r in out)
+    assert summary["tokens_out"] == sum(len(r["tokens"]) for r in out)
+    decisions = [json.loads(line)["decision"]
+                 for line in (tmp_path / "out" / "_decisions" / "in.jsonl").read_text(encoding="utf-8").splitlines()]
+    expected = ["kept"] * 13
+    for at in (0, 5, 9, 15):
+        expected.insert(at, "removed")
+    assert decisions == expected
