@@ -48,8 +48,14 @@ class MetricsWriter:
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"train/{key}" if not key.startswith("val") else f"val/{key}",
-                                        value, record["step"])
+                    self._tb.add_scalar(self._tag(key), value, record["step"])
+
+    @staticmethod
+    def _tag(key: str) -> str:
+        """TensorBoard tag: task results ("eval/TASK/METRIC") keep their path; val_* go under val/."""
+        if "/" in key:
+            return key
+        return f"val/{key}" if key.startswith("val") else f"train/{key}"
 
     def close(self) -> None:
         self._file.close()
