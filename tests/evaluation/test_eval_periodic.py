@@ -1,29 +1,56 @@
-"""Task evaluation during training runs in a child process and does not stall the loop."""
+"""Task evaluation during training runs in a child process (local, or through a configured
+OpenAI-compatible endpoint) and does not stall the loop."""
 
 import json
 import statistics
 import time
 
+from ultratron.checkpoint.manager import step_dir_name
 from ultratron.config import load_config
+from ultratron.evaluation.backends import LocalBackend
+from ultratron.evaluation.runner import evaluate
+from ultratron.evaluation.tasks import load_task_file
 from ultratron.training import trainer as trainer_module
 from ultratron.training.trainer import train
 
-from .conftest import TINY
+from .conftest import TINY, free_port
 
 
-def test_periodic_evaluation_records_results_without_stalling(small_corpus, tmp_path, monkeypatch):
+def _quick_task(tmp_path):
     task = tmp_path / "quick.jsonl"
     task.write_text("\n".join(json.dumps({"type": "multiple_choice", "context": f"x{i} = ",
                                           "choices": [str(i), "~~"], "answer": 0}) for i in range(4)) + "\n")
-    stamps = []  # (time, record) for every metrics record, in write order
+    return task
+
+
+def _train_with_stamps(monkeypatch, overrides):
+    """Train; return [(monotonic time, record)] for every metrics record, in write order."""
+    stamps = []
     original = trainer_module.MetricsWriter.write
     monkeypatch.setattr(trainer_module.MetricsWriter, "write",
                         lambda self, record: (stamps.append((time.monotonic(), record)), original(self, record)))
+    train(load_config(None, overrides), echo=False)
+    return stamps
+
+
+def _step_gaps(stamps, eval_steps, key, last):
+    """Gaps between consecutive training steps while an evaluation was running, and otherwise."""
+    train_times = {rec["step"]: t for t, rec in stamps if "loss" in rec}
+    assert sorted(train_times) == list(range(1, last + 1))  # every step trained
+    done = {rec["step"]: t for t, rec in stamps if key in rec}
+    during, outside = [], []
+    for step in range(2, last + 1):
+        running = any(s < step and done[s] > train_times[step] for s in eval_steps)
+        (during if running else outside).append(train_times[step] - train_times[step - 1])
+    return during, outside
+
+
+def test_periodic_evaluation_records_results_without_stalling(small_corpus, tmp_path, monkeypatch):
+    task = _quick_task(tmp_path)
     run = tmp_path / "run"
-    cfg = load_config(None, TINY + ["--data.path", str(small_corpus), "--data.extensions", ".py", "--run.dir",
-                                    str(run), "--training.steps", "160", "--eval.interval", "0",
-                                    "--eval.task_interval", "40", "--eval.tasks", str(task)])
-    train(cfg, echo=False)
+    stamps = _train_with_stamps(monkeypatch, TINY + [
+        "--data.path", str(small_corpus), "--data.extensions", ".py", "--run.dir", str(run),
+        "--training.steps", "160", "--eval.interval", "0", "--eval.task_interval", "40", "--eval.tasks", str(task)])
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval/quick/acc" in r]
     steps = [r["step"] for r in evals]
@@ -31,15 +58,69 @@ def test_periodic_evaluation_records_results_without_stalling(small_corpus, tmp_
     assert all(0 <= r["eval/quick/acc"] <= 1 for r in evals)
     assert not list((run / "eval" / "snapshots").glob("step-*"))  # snapshots are cleaned up
     # training went on while evaluations ran: steps were logged between launch and result
+    during, outside = _step_gaps(stamps, steps, "eval/quick/acc", 160)
+    assert len(during) >= 10
+    print(f"periodic eval: median step gap {statistics.median(during) * 1e3:.1f} ms while evaluating, "
+          f"{statistics.median(outside) * 1e3:.1f} ms otherwise")
+    assert statistics.median(during) < 4 * statistics.median(outside) + 0.05
+    assert max(during) < 2.0  # no step waits for an evaluation
+
+
+def test_periodic_evaluation_through_a_configured_endpoint(served, trained_checkpoint, small_corpus, tmp_path,
+                                                           monkeypatch):
+    """eval.endpoint: the child evaluates through `ultratron serve` (which serves a fixed checkpoint),
+    and its results land in metrics.jsonl at the configured steps while training goes on."""
+    url, key = served
+    monkeypatch.setenv("ULTRATRON_PERIODIC_KEY", key)  # the child reads the key from this variable
+    task = _quick_task(tmp_path)
+    run = tmp_path / "run"
+    stamps = _train_with_stamps(monkeypatch, TINY + [
+        "--data.path", str(small_corpus), "--data.extensions", ".py", "--run.dir", str(run),
+        "--training.steps", "160", "--eval.interval", "0", "--eval.task_interval", "40", "--eval.tasks", str(task),
+        "--eval.endpoint", url + "/v1", "--eval.endpoint_model", "ultratron",
+        "--eval.api_key_env", "ULTRATRON_PERIODIC_KEY", "--eval.price_per_request", "0.5"])
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval/quick/acc" in r]
+    steps = [r["step"] for r in evals]
+    assert steps and all(s % 40 == 0 for s in steps) and 160 in steps
+    # the numbers are the served checkpoint's, as evaluating it here gives them
+    expected = evaluate(LocalBackend.from_checkpoint(trained_checkpoint), [load_task_file(task)])["quick"]
+    for r in evals:
+        assert r["eval/quick/acc"] == expected["acc"] and r["eval/quick/acc_norm"] == expected["acc_norm"]
+    for step in steps:
+        result = json.loads((run / "eval" / f"{step_dir_name(step)}.json").read_text())
+        assert result["backend"] == f"endpoint {url}/v1 model ultratron" and result["step"] == step
+        assert result["usage"]["requests"] >= 1 and result["usage"]["failed_requests"] == 0
+        assert result["usage"]["cost"] == result["usage"]["requests"] * 0.5
+    assert not (run / "eval" / "snapshots").exists()  # an endpoint needs no weights from the run
+    log = (run / "train.log").read_text()
+    assert f"started task evaluation of step 40 on {url}/v1" in log
+    during, outside = _step_gaps(stamps, steps, "eval/quick/acc", 160)
+    assert len(during) >= 10
+    print(f"periodic eval via endpoint: median step gap {statistics.median(during) * 1e3:.1f} ms while evaluating, "
+          f"{statistics.median(outside) * 1e3:.1f} ms otherwise")
+    assert statistics.median(during) < 4 * statistics.median(outside) + 0.05
+    assert max(during) < 2.0
+
+
+def test_an_unreachable_endpoint_neither_stops_nor_stalls_training(small_corpus, tmp_path, monkeypatch):
+    task = _quick_task(tmp_path)
+    run = tmp_path / "run"
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    start = time.monotonic()
+    stamps = _train_with_stamps(monkeypatch, TINY + [
+        "--data.path", str(small_corpus), "--data.extensions", ".py", "--run.dir", str(run),
+        "--training.steps", "120", "--eval.interval", "0", "--eval.task_interval", "40", "--eval.tasks", str(task),
+        "--eval.endpoint", dead, "--eval.max_retries", "1", "--eval.timeout", "5"])
+    elapsed = time.monotonic() - start
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in records if any(k.startswith("eval/") for k in r)]
+    log = (run / "train.log").read_text()
+    failed = [line for line in log.splitlines() if "failed (exit" in line]
+    assert failed and "step 120" in failed[-1] and "training goes on" in failed[-1]
     train_times = {rec["step"]: t for t, rec in stamps if "loss" in rec}
-    gaps_during, gaps_outside = [], []
-    for step in range(2, 161):
-        gap = train_times[step] - train_times[step - 1]
-        running = any(s < step and t_done > train_times[step] for s in steps
-                      for t_done, rec in stamps if rec.get("step") == s and "eval/quick/acc" in rec)
-        (gaps_during if running else gaps_outside).append(gap)
-    assert len(gaps_during) >= 10
-    print(f"periodic eval: median step gap {statistics.median(gaps_during) * 1e3:.1f} ms while evaluating, "
-          f"{statistics.median(gaps_outside) * 1e3:.1f} ms otherwise")
-    assert statistics.median(gaps_during) < 4 * statistics.median(gaps_outside) + 0.05
-    assert max(gaps_during) < 2.0  # no step waits for an evaluation
+    assert sorted(train_times) == list(range(1, 121))  # every step trained
+    gaps = [train_times[s] - train_times[s - 1] for s in range(2, 121)]
+    print(f"unreachable endpoint: {len(failed)} failed evaluations logged, longest step gap {max(gaps) * 1e3:.0f} ms, "
+          f"run {elapsed:.1f} s")
+    assert max(gaps) < 2.0

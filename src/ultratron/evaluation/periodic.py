@@ -6,6 +6,13 @@ checkpoint pruning cannot pull them away), and `ultratron eval` starts on it as 
 at low priority. The loop calls `poll` every step; finished results come back as metric records
 with the step they belong to. If an evaluation is still running when the next one is due, the
 new one is skipped (and counted); a failing evaluator is logged and forgotten.
+
+With `eval.endpoint` set, the child evaluates through that OpenAI-compatible endpoint instead
+(`ultratron eval --endpoint`, with the config's model, key variable, concurrency, timeout,
+retries and prices); no weights are written, since the endpoint serves its own model (a
+reference model, or a server that follows the run). Its results land in the metrics with the
+step that launched them, exactly like local ones, and an unreachable or failing endpoint is
+just a failed evaluation: logged, never waited for by the loop.
 """
 
 from __future__ import annotations
@@ -53,11 +60,17 @@ class PeriodicEvaluator:
             self.skipped.append(step)
             self.log(f"eval: step {step} skipped; the evaluation of step {self._step} is still running")
             return False
-        snapshot = self.dir / "snapshots" / step_dir_name(step)
-        self._write_snapshot(snapshot, step, model, config_toml, tokenizer_json, checkpoint)
         e = self.cfg.eval
         out = self.dir / f"{step_dir_name(step)}.json"
-        cmd = [sys.executable, "-m", "ultratron", "eval", "--checkpoint", str(snapshot), "--tasks", e.tasks,
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if e.endpoint:
+            snapshot = None
+            where = ["--endpoint", e.endpoint, *endpoint_arguments(e)]
+        else:
+            snapshot = self.dir / "snapshots" / step_dir_name(step)
+            self._write_snapshot(snapshot, step, model, config_toml, tokenizer_json, checkpoint)
+            where = ["--checkpoint", str(snapshot)]
+        cmd = [sys.executable, "-m", "ultratron", "eval", *where, "--tasks", e.tasks,
                "--max-examples", str(e.max_examples), "--json", str(out), "--step", str(step),
                "--threads", "1", "--quiet"]
         logfile = open(self.dir / f"{step_dir_name(step)}.log", "w", encoding="utf-8")
@@ -67,7 +80,8 @@ class PeriodicEvaluator:
         logfile.close()
         self._step, self._snapshot = step, snapshot
         self.launched.append(step)
-        self.log(f"eval: started task evaluation of step {step} (pid {self._proc.pid})")
+        via = f" on {e.endpoint}" if e.endpoint else ""
+        self.log(f"eval: started task evaluation of step {step}{via} (pid {self._proc.pid})")
         return True
 
     def _write_snapshot(self, path: Path, step: int, model, config_toml: str, tokenizer_json: str,
@@ -154,6 +168,15 @@ class PeriodicEvaluator:
             fresh = last_checkpoint if last_checkpoint is not None and last_checkpoint.name == step_dir_name(
                 step) else None
             self.maybe_launch(step, trainer.model, to_toml(trainer.cfg), trainer.tokenizer.to_json(), fresh)
+
+
+def endpoint_arguments(e) -> list[str]:
+    """`ultratron eval` options for the endpoint settings of an EvalConfig."""
+    args = ["--api-key-env", e.api_key_env, "--concurrency", str(e.concurrency), "--timeout", str(e.timeout),
+            "--max-retries", str(e.max_retries), "--price-per-request", str(e.price_per_request),
+            "--price-per-1k-prompt-tokens", str(e.price_per_1k_prompt_tokens),
+            "--price-per-1k-completion-tokens", str(e.price_per_1k_completion_tokens)]
+    return (["--model", e.endpoint_model] if e.endpoint_model else []) + args
 
 
 class _Collect:
