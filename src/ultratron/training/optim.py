@@ -21,7 +21,15 @@ def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.AdamW:
     groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
-                             eps=optim_cfg.eps)
+                             eps=optim_cfg.eps, fused=_can_fuse(decay + no_decay))
+
+
+def _can_fuse(params: list[torch.Tensor]) -> bool:
+    """The fused AdamW kernel (one pass over each tensor instead of ~10 element-wise ops) runs on
+    CPU and CUDA tensors; sharded (DTensor) parameters take the default multi-tensor path."""
+    from torch.distributed.tensor import DTensor
+
+    return all(p.device.type in ("cpu", "cuda") and not isinstance(p, DTensor) for p in params)
 
 
 def lr_at(step: int, total_steps: int, optim_cfg) -> float:
