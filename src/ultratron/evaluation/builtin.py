@@ -2,7 +2,8 @@
 .py files that training never sees). Deterministic: fixed file order and seeds.
 
 - builtin_bpb: bits per byte on the start of held-out files.
-- builtin_next_line: which of four lines really follows the context (distractors from other files).
+- builtin_next_line: which of four lines really follows the previous lines (distractors: code lines
+  of about the same length from other files).
 - builtin_identifier_cloze: which identifier fills a blank in a line (candidates from the same file).
 - builtin_arithmetic: two-number sums and differences, few-shot, greedy generation, exact match.
 """
@@ -19,8 +20,16 @@ from ultratron.evaluation.tasks import ChoiceExample, GenerationExample, Task, T
 BUILTIN_TASKS = ("builtin_bpb", "builtin_next_line", "builtin_identifier_cloze", "builtin_arithmetic")
 HELD_OUT_FRACTION = 0.05  # the trainer's default data.held_out_fraction
 PER_TASK = 200
-CONTEXT_LINES, CONTEXT_CHARS = 3, 100
+CONTEXT_LINES, CONTEXT_CHARS = 3, 100  # identifier cloze
+# Next line: the context is the previous several lines; the real line is a short code line that
+# reuses at least two names from them (so reading the context tells it apart); each distractor
+# is a code line of about the same length from a different held-out file, sharing no name with
+# the context. Short candidates keep the spread of their context-free likelihoods small, so
+# plain accuracy (summed log-likelihood) measures whether the model reads the context.
+NEXT_CONTEXT_LINES, NEXT_CONTEXT_CHARS = 6, 300
+NEXT_PER_FILE, NEXT_SHARED_NAMES, NEXT_MAX_CHARS = 10, 2, 50
 _IDENT = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]{3,}\b")
+_CODE_START = re.compile(r"^\s*(?:[A-Za-z_@]|[)\]}])")  # not a string, comment or literal table line
 
 
 def held_out_documents(fraction: float = HELD_OUT_FRACTION) -> list[tuple[str, str]]:
@@ -54,25 +63,39 @@ def _context(lines: list[str], i: int) -> str:
     return ("\n".join(lines[max(0, i - CONTEXT_LINES): i]) + "\n")[-CONTEXT_CHARS:]
 
 
+def _code_line(line: str) -> bool:
+    return 12 <= len(line.strip()) <= NEXT_MAX_CHARS and bool(_CODE_START.match(line))
+
+
+def _next_context(lines: list[str], i: int) -> str:
+    return ("\n".join(lines[max(0, i - NEXT_CONTEXT_LINES): i]) + "\n")[-NEXT_CONTEXT_CHARS:]
+
+
 def next_line_task(docs, rng: random.Random) -> Task:
-    pools = [[ln for ln in text.splitlines() if _good_line(ln)] for _, text in docs]
+    pools = [[ln for ln in text.splitlines() if _code_line(ln)] for _, text in docs]
     examples = []
     for d, (_, text) in enumerate(docs):
         lines = text.splitlines()
-        # the real line reuses a name from its context, so a model that reads the context can tell
-        spots = [i for i in range(CONTEXT_LINES, len(lines)) if _good_line(lines[i])
-                 and _names(lines[i]) & _names(_context(lines, i))]
-        for i in rng.sample(spots, min(4, len(spots))):
-            seen = _names(_context(lines, i))
-            # distractors of a similar length that share no name with the context
-            close = sorted({ln for j, p in enumerate(pools) if j != d for ln in p
-                            if abs(len(ln) - len(lines[i])) <= max(3, len(lines[i]) // 8) and not _names(ln) & seen})
-            if len(close) < 3:
+        spots = [i for i in range(NEXT_CONTEXT_LINES, len(lines)) if _code_line(lines[i])
+                 and len(_names(lines[i]) & _names(_next_context(lines, i))) >= NEXT_SHARED_NAMES]
+        for i in rng.sample(spots, min(NEXT_PER_FILE, len(spots))):
+            real, context = lines[i], _next_context(lines, i)
+            seen = _names(context)
+            others = [j for j in range(len(docs)) if j != d]
+            rng.shuffle(others)
+            distractors: list[str] = []
+            for j in others:  # one distractor per other file, so no single large file dominates
+                close = [ln for ln in pools[j] if abs(len(ln) - len(real)) <= max(2, len(real) // 8)
+                         and not _names(ln) & seen and ln.strip() != real.strip() and ln not in distractors]
+                if close:
+                    distractors.append(rng.choice(close))
+                if len(distractors) == 3:
+                    break
+            if len(distractors) < 3:
                 continue
-            distractors = rng.sample(close, 3)
-            choices = distractors + [lines[i]]
+            choices = distractors + [real]
             rng.shuffle(choices)
-            examples.append(ChoiceExample(_context(lines, i), choices, choices.index(lines[i])))
+            examples.append(ChoiceExample(context, choices, choices.index(real)))
     rng.shuffle(examples)
     return Task("builtin_next_line", "multiple_choice", examples[:PER_TASK])
 
