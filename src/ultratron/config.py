@@ -120,7 +120,8 @@ class EvalConfig:
     task_interval: int = 0
     tasks: str = "builtin"  # comma-separated: builtin, built-in task names, task files
     max_examples: int = 100  # per task
-    endpoint: str | None = None  # an OpenAI-compatible base URL for `ultratron eval` (default: local)
+    # An OpenAI-compatible base URL: the periodic evaluations run through it (default: the local weights)
+    endpoint: str | None = None
     endpoint_model: str | None = None
     api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the endpoint's key
     concurrency: int = 4  # requests in flight to the endpoint

@@ -12,7 +12,7 @@ import pytest
 # Brief, but long enough to learn from: many small steps at a high learning rate learn fastest
 # (the quickstart's finding), with the model's whole 128-token context in every sequence so it
 # learns to read the several previous lines the next-line task gives it.
-TRAIN_STEPS = 300
+TRAIN_STEPS = 500
 TRAIN = ["--training.steps", str(TRAIN_STEPS), "--training.batch_tokens", "2048", "--training.micro_batch_size", "16",
          "--training.seq_len", "128", "--optim.lr", "3e-3", "--optim.warmup_steps", "20"]
 # The root conftest's TINY model, with a 128-token context.
