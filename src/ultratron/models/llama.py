@@ -79,6 +79,23 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return cap * torch.tanh(x / cap) if cap > 0 else x
 
 
+def _sdpa(q, k, v, mask, groups: int) -> torch.Tensor:
+    """Scaled dot-product attention: causal, or with an explicit mask (KV-cache inference).
+
+    On CPU, bf16 inputs run in fp32: PyTorch's CPU flash-attention backward is ~2.7× slower in
+    bf16 than in fp32 (62 vs 23 ms a call, measured here on an AVX-512-BF16 machine without
+    AMX), and fp32 is the more accurate of the two. GPUs keep bf16 for their fused kernels.
+    """
+    dtype = q.dtype
+    if q.device.type == "cpu" and dtype == torch.bfloat16:
+        with torch.autocast("cpu", enabled=False):
+            out = _sdpa(q.float(), k.float(), v.float(), mask, groups)
+        return out.to(dtype)
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+
+
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -112,10 +129,8 @@ class Attention(nn.Module):
             k, v, mask = cache.update(k, v)
         if self.softcap > 0:
             out = self._softcapped_attention(q, k, v, groups, mask)
-        elif mask is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+            out = _sdpa(q, k, v, mask, groups)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _softcapped_attention(self, q, k, v, groups: int, mask: torch.Tensor | None = None) -> torch.Tensor:
