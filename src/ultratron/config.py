@@ -245,14 +245,25 @@ def _coerce(value: Any, tp: Any, where: str, from_string: bool) -> Any:
         if isinstance(value, str):
             return value
         raise ValueError(f"{where}: expected a string, got {value!r}")
+    origin = typing.get_origin(base)
+    if origin is list:
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise ValueError(f"{where}: expected a list of strings, got {value!r}")
+    if origin is dict:
+        if isinstance(value, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                           for v in value.values()):
+            return {str(k): float(v) for k, v in value.items()}
+        raise ValueError(f"{where}: expected a table of numbers, got {value!r}")
     return value
 
 
-def _apply(cfg: Config, section: str, key: str, value: Any, from_string: bool, problems: list[str]) -> None:
-    if section not in SECTIONS:
-        problems.append(f"unknown config section {section!r}{_did_you_mean(section, list(SECTIONS))}")
+def _apply(cfg: Any, section: str, key: str, value: Any, from_string: bool, problems: list[str],
+           sections: dict[str, type] = SECTIONS) -> None:
+    if section not in sections:
+        problems.append(f"unknown config section {section!r}{_did_you_mean(section, list(sections))}")
         return
-    types_ = _field_types(SECTIONS[section])
+    types_ = _field_types(sections[section])
     if key not in types_:
         problems.append(f"unknown config field '{section}.{key}'{_did_you_mean(key, list(types_))}")
         return
@@ -260,6 +271,20 @@ def _apply(cfg: Config, section: str, key: str, value: Any, from_string: bool, p
         setattr(getattr(cfg, section), key, _coerce(value, types_[key], f"{section}.{key}", from_string))
     except ValueError as err:
         problems.append(str(err))
+
+
+def apply_tables(cfg: Any, data: dict[str, Any], problems: list[str], sections: dict[str, type] = SECTIONS,
+                 source: str = "") -> None:
+    """Set the fields of `cfg` (a dataclass of section dataclasses, described by `sections`) from
+    a parsed TOML document, adding one line to `problems` per unknown or ill-typed entry. Shared
+    by every typed config in ultratron (the trainer's and the data pipeline's)."""
+    prefix = f"{source}: " if source else ""
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            problems.append(f"{prefix}'{section}' must be a [section] table, got a value")
+            continue
+        for key, value in table.items():
+            _apply(cfg, section.replace("-", "_"), key, value, False, problems, sections)
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
@@ -302,12 +327,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
             raise ConfigError([f"{path}: not valid TOML: {err}"]) from None
-        for section, table in data.items():
-            if not isinstance(table, dict):
-                problems.append(f"{path}: '{section}' must be a [section] table, got a value")
-                continue
-            for key, value in table.items():
-                _apply(cfg, section, key, value, False, problems)
+        apply_tables(cfg, data, problems, source=str(path))
     for section, key, value in parse_overrides(overrides or []):
         _apply(cfg, section, key, value, True, problems)
     if problems:

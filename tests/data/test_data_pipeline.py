@@ -146,4 +146,4 @@ def test_single_stage_cli_and_config_errors(tmp_path, capsys):
     bad.write_text('[near_dedup]\nbandz = 3\n[pipeline]\nstages = ["read", "dedup"]\n')
     assert main(["data", "run", "--config", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert "unknown key near_dedup.bandz (did you mean 'bands'?)" in err and "unknown stage 'dedup'" in err
+    assert "unknown config field 'near_dedup.bandz' (did you mean 'bands'?)" in err and "unknown stage 'dedup'" in err

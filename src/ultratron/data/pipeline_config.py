@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ultratron.config import apply_tables
 from ultratron.errors import UserError
 
 STAGES = ("read", "normalize", "exact-dedup", "near-dedup", "substring-dedup", "filter", "perplexity",
@@ -158,26 +159,6 @@ class DataPipelineConfig:
 SECTIONS: dict[str, type] = typing.get_type_hints(DataPipelineConfig)
 
 
-def _check_type(value: Any, tp: Any) -> Any | None:
-    """The value coerced to `tp`, or None if it does not fit."""
-    origin = typing.get_origin(tp)
-    if tp is bool:
-        return value if isinstance(value, bool) else None
-    if tp is int:
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-    if tp is float:
-        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-    if tp is str:
-        return value if isinstance(value, str) else None
-    if origin is list:
-        return list(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else None
-    if origin is dict:
-        if isinstance(value, dict) and all(isinstance(v, int | float) for v in value.values()):
-            return {str(k): float(v) for k, v in value.items()}
-        return None
-    return value
-
-
 def _suggest(name: str, options) -> str:
     close = difflib.get_close_matches(name, list(options), n=1)
     return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(options)})"
@@ -186,26 +167,7 @@ def _suggest(name: str, options) -> str:
 def from_dict(data: dict[str, Any]) -> DataPipelineConfig:
     cfg = DataPipelineConfig()
     problems: list[str] = []
-    for section, values in data.items():
-        key_section = section.replace("-", "_")
-        if key_section not in SECTIONS:
-            problems.append(f"unknown section [{section}]{_suggest(key_section, SECTIONS)}")
-            continue
-        if not isinstance(values, dict):
-            problems.append(f"[{section}] must be a table")
-            continue
-        types = typing.get_type_hints(SECTIONS[key_section])
-        target = getattr(cfg, key_section)
-        for key, value in values.items():
-            if key not in types:
-                problems.append(f"unknown key {section}.{key}{_suggest(key, types)}")
-                continue
-            coerced = _check_type(value, types[key])
-            if coerced is None:
-                type_name = getattr(types[key], "__name__", str(types[key]))
-                problems.append(f"{section}.{key} = {value!r} is not a {type_name}")
-                continue
-            setattr(target, key, coerced)
+    apply_tables(cfg, data, problems, sections=SECTIONS)
     problems += validate(cfg)
     if problems:
         raise DataConfigError(problems)
