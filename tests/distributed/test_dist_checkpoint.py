@@ -50,3 +50,24 @@ def test_resumed_steps_equal_the_run_that_kept_going(resharded, references, layo
         ref = expected[record["step"]]
         assert abs(record["loss"] - ref["loss"]) <= 1e-5 * ref["loss"], (layout, record, ref)
         assert abs(record["grad_norm"] - ref["grad_norm"]) <= 1e-4, (layout, record, ref)
+
+
+def test_a_sharded_checkpoint_loads_for_inference_in_one_process(resharded, dist_base, tmp_path):
+    """eval, serve, export and the perplexity filter load a multi-process run's checkpoint as well."""
+    import torch
+
+    from ultratron.models.llama import build_model
+    from ultratron.serving.loading import load_model
+    from ultratron.training.trainer import Trainer
+
+    loaded = load_model(resharded["ckpt"])
+    assert loaded.step == SAVE_AT
+    trainer = Trainer(load_config(None, dist_base + ["--run.dir", str(tmp_path / "r"),
+                                                     "--checkpoint.resume", str(resharded["ckpt"])]), echo=False)
+    trainer.maybe_resume()  # the training path's resharding load, for comparison
+    expected = trainer.model.state_dict()
+    got = loaded.model.state_dict()
+    assert set(got) == set(expected)
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+    fresh = build_model(loaded.config.model).state_dict()
+    assert not torch.equal(fresh["layers.0.attention.wq.weight"], got["layers.0.attention.wq.weight"])

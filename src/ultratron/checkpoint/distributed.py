@@ -132,6 +132,18 @@ def load_sharded(path: Path, model: nn.Module, optimizer) -> dict:
     return torch.load(path / "state.pt", map_location="cpu", weights_only=False)
 
 
+def load_model_weights(path: Path, model: nn.Module) -> None:
+    """Only the weights of a DCP checkpoint, into a plain (unsharded) model in one process —
+    for evaluation, serving and export of a run trained on many processes."""
+    model_state = model.state_dict()
+    try:
+        dcp.load({"model": model_state}, checkpoint_id=str(Path(path) / DCP_DIR))
+    except Exception as err:  # DCP wraps the reader's error
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path}: the sharded weights do not fit its config.toml ({first})") from None
+    model.load_state_dict(model_state)
+
+
 def load_full_into_layout(parts: dict, model: nn.Module, optimizer) -> None:
     """A single-process checkpoint (full tensors, optimizer keyed by position) into any layout."""
     options = StateDictOptions(full_state_dict=True)

@@ -59,22 +59,12 @@ class ModelScorer:
 
 def load_scorer(checkpoint: str, tokenizer_path: str = "", max_tokens: int = 512, batch_size: int = 8) -> Scorer:
     """A ModelScorer from an ultratron checkpoint (a step directory, or a run whose latest is meant)."""
-    import tomllib
-
-    from tokenizers import Tokenizer as HFTokenizer
-
-    from ultratron.checkpoint.manager import load_checkpoint
-    from ultratron.config import from_dict, resolve_model
     from ultratron.data.tokenizer import Tokenizer
-    from ultratron.models.llama import build_model
+    from ultratron.serving.loading import load_model
 
-    parts = load_checkpoint(checkpoint, parts_to_load=("model",))
-    cfg = from_dict(tomllib.loads(parts["config_toml"]))
-    resolve_model(cfg.model)
-    model = build_model(cfg.model)
-    model.load_state_dict(parts["model"])
-    tokenizer = (Tokenizer.load(tokenizer_path) if tokenizer_path
-                 else Tokenizer(HFTokenizer.from_str(parts["tokenizer_json"])))
+    loaded = load_model(checkpoint)
+    model = loaded.model
+    tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path else loaded.tokenizer
     return ModelScorer(model, tokenizer, max_tokens, batch_size)
 
 
