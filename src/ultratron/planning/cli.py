@@ -41,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--recompute", default="none", help="none|selective|full, or a comma list")
     mem.add_argument("--precision", default="bf16", choices=PRECISIONS)
     mem.add_argument("--fp32-grad-accum", action="store_true", help="keep an fp32 gradient-accumulation buffer")
+    mem.add_argument("--attention-fp32", action="store_true",
+                     help="attention computed in fp32 under bf16 (as ultratron does on CPU)")
     mem.add_argument("--activation-model", default="per-op", choices=ACTIVATION_MODELS,
                      help="per-op: what ultratron's Llama saves; textbook: Korthikanti et al. 2022")
     mem.add_argument("--json", action="store_true", help="print JSON (with peak_bytes) instead of a table")
@@ -197,7 +199,8 @@ def memory_layouts(args) -> list[Layout]:
         raw = getattr(args, name)
         sweep[name] = [v.strip() for v in str(raw).split(",")] if name == "recompute" else _int_list(name, raw)
     base = dict(sp=args.sp, pp_schedule=args.pp_schedule, precision=args.precision,
-                fp32_grad_accum=args.fp32_grad_accum)
+                fp32_grad_accum=args.fp32_grad_accum,
+                attention_fp32=getattr(args, "attention_fp32", False))
     return [Layout(**base, **dict(zip(sweep, combo, strict=True))) for combo in itertools.product(*sweep.values())]
 
 

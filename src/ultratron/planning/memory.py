@@ -18,7 +18,8 @@ Activations (saved for backward, per layer and micro-batch), two estimators:
     the micro-batch on this rank, p = 2 bytes in bf16 or 4 in fp32, f = ffn_dim, kv = n_kv·head_dim):
       RMSNorm (×2): fp32 input 4·T·h + fp32 normalised 4·T·h + output p·T·h (saved by the next
       matmuls) + fp32 rsqrt 4·T (+ an fp32 copy of the weight in bf16);
-      attention: q and k after RoPE, v, and the attention output, p·T·(2h + 2kv); flash attention
+      attention: q and k after RoPE, v, and the attention output, p·T·(2h + 2kv) (4·T·(2h + 2kv)
+      with `attention_fp32`); flash attention
       keeps no s×s scores, only the fp32 log-sum-exp 4·b·a·s; the GQA kv heads are counted at
       their own width, not repeated to n_heads;
       SwiGLU: w1·x, w3·x, silu(w1·x) and their product, 4·p·T·f.
@@ -75,6 +76,9 @@ class Layout:
     recompute: str = "none"
     precision: str = "bf16"
     fp32_grad_accum: bool = False
+    # Attention (q, k, v, output) computed in fp32 even in bf16, like Megatron's
+    # --attention-softmax-in-fp32; ultratron does this for bf16 on CPU (models.llama._sdpa).
+    attention_fp32: bool = False
 
     @property
     def n_gpus(self) -> int:
@@ -217,7 +221,8 @@ def per_op_layer_activation_bytes(shape, layout: Layout, recompute: str | None =
     if recompute == "full":
         return p * tokens * h / region
     norms = 2 * _norm_bytes(tokens / region, h, p, recompute)
-    attention = p * tokens * (2 * h + 2 * kv) / t + 4 * tokens * shape.n_heads / t  # + log-sum-exp
+    p_attn = 4 if layout.attention_fp32 else p
+    attention = p_attn * tokens * (2 * h + 2 * kv) / t + 4 * tokens * shape.n_heads / t  # + log-sum-exp
     if getattr(shape, "qk_norm", False):
         # q_norm / k_norm run per head on the matmul outputs, which are otherwise not saved.
         qk = (h + kv) / t
