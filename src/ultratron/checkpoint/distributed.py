@@ -135,9 +135,13 @@ def load_sharded(path: Path, model: nn.Module, optimizer) -> dict:
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """Only the weights of a DCP checkpoint, into a plain (unsharded) model in one process —
     for evaluation, serving and export of a run trained on many processes."""
+    import warnings
+
     model_state = model.state_dict()
     try:
-        dcp.load({"model": model_state}, checkpoint_id=str(Path(path) / DCP_DIR))
+        with warnings.catch_warnings():  # loading in one process is the intent here, not a mistake
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": model_state}, checkpoint_id=str(Path(path) / DCP_DIR))
     except Exception as err:  # DCP wraps the reader's error
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{path}: the sharded weights do not fit its config.toml ({first})") from None
