@@ -89,6 +89,7 @@ class Trainer:
         from ultratron.planning.hardware import peak_flops
 
         self.peak_flops, self.peak_source = peak_flops(self._device_name(), t.precision)
+        self._peak_refreshed = False
         if self.dims.is_main:
             (self.run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
 
@@ -213,7 +214,7 @@ class Trainer:
                 record = self.train_step()
                 elapsed = time.perf_counter() - start
                 tokens_per_sec = t.batch_tokens / elapsed
-                self._check_peak(tokens_per_sec)
+                self._check_peak(tokens_per_sec / self.dims.world_size)
                 record = {"step": self.step, **record, "tokens": self.step * t.batch_tokens,
                           "tokens_per_sec": tokens_per_sec, "step_time": elapsed,
                           "mfu": mfu(tokens_per_sec / self.dims.world_size, self.flops_per_token, self.peak_flops)}
@@ -253,11 +254,11 @@ class Trainer:
         return TrainResult(self.run_dir, self.step, first_loss, final_loss, first_val, final_val, sample,
                            last_ckpt, self.peak_source)
 
-    def _check_peak(self, tokens_per_sec: float) -> None:
+    def _check_peak(self, tokens_per_sec_per_device: float) -> None:
         """A measured CPU peak that training itself exceeds was taken while the CPU was busy:
         measure it again (once) rather than report an MFU above 100%."""
-        achieved = tokens_per_sec * self.flops_per_token
-        if self.device.type != "cpu" or achieved <= self.peak_flops or getattr(self, "_peak_refreshed", False):
+        achieved = tokens_per_sec_per_device * self.flops_per_token
+        if self.device.type != "cpu" or achieved <= self.peak_flops or self._peak_refreshed:
             return
         from ultratron.planning.hardware import peak_flops
 
