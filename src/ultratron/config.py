@@ -181,7 +181,8 @@ def _field_types(section_cls: type) -> dict[str, Any]:
     return typing.get_type_hints(section_cls)
 
 
-def _did_you_mean(name: str, options: list[str]) -> str:
+def did_you_mean(name: str, options: list[str]) -> str:
+    """' (did you mean X?)' for the closest option, or '' when none is close."""
     close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -261,11 +262,11 @@ def _coerce(value: Any, tp: Any, where: str, from_string: bool) -> Any:
 def _apply(cfg: Any, section: str, key: str, value: Any, from_string: bool, problems: list[str],
            sections: dict[str, type] = SECTIONS) -> None:
     if section not in sections:
-        problems.append(f"unknown config section {section!r}{_did_you_mean(section, list(sections))}")
+        problems.append(f"unknown config section {section!r}{did_you_mean(section, list(sections))}")
         return
     types_ = _field_types(sections[section])
     if key not in types_:
-        problems.append(f"unknown config field '{section}.{key}'{_did_you_mean(key, list(types_))}")
+        problems.append(f"unknown config field '{section}.{key}'{did_you_mean(key, list(types_))}")
         return
     try:
         setattr(getattr(cfg, section), key, _coerce(value, types_[key], f"{section}.{key}", from_string))
@@ -343,7 +344,7 @@ def resolve_model(model: ModelConfig) -> None:
     if model.preset is not None:
         if model.preset not in PRESETS:
             raise ConfigError([
-                f"model.preset: unknown preset {model.preset!r}{_did_you_mean(model.preset, list(PRESETS))}; "
+                f"model.preset: unknown preset {model.preset!r}{did_you_mean(model.preset, list(PRESETS))}; "
                 f"known: {', '.join(PRESETS)}"
             ])
         preset = PRESETS[model.preset]

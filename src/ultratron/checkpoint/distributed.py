@@ -30,11 +30,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ultratron.checkpoint.manager import DONE_MARKER, CheckpointManager, _fsync_dir, step_dir_name
+from ultratron.checkpoint.manager import (
+    DONE_MARKER,
+    CheckpointManager,
+    _fsync_dir,
+    clean_param_name,
+    step_dir_name,
+)
 from ultratron.errors import CheckpointError
 
 DCP_DIR = "dcp"
-_WRAPPER_PREFIXES = ("module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
@@ -46,18 +51,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _clean_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def _is_zero1(optimizer) -> bool:
     return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
 
 
 def _zero1_param_names(model: nn.Module, optimizer) -> dict[int, str]:
-    names = {id(p): _clean_name(n) for n, p in model.named_parameters(remove_duplicate=True)}
+    names = {id(p): clean_param_name(n) for n, p in model.named_parameters(remove_duplicate=True)}
     return {id(p): names[id(p)] for group in optimizer.param_groups for p in group["params"]}
 
 
@@ -158,7 +157,7 @@ def load_full_into_layout(parts: dict, model: nn.Module, optimizer) -> None:
                               "resume it with zero 0, 2 or 3 and save again")
     # The optimizer was built from model.parameters() in the same order as in one process, so
     # position i of the saved state is the i-th parameter of our groups.
-    names = {id(p): _clean_name(n) for n, p in model.named_parameters()}
+    names = {id(p): clean_param_name(n) for n, p in model.named_parameters()}
     ordered = [p for group in optimizer.param_groups for p in group["params"]]
     by_name = {"state": {names[id(ordered[i])]: value for i, value in saved["state"].items()},
                "param_groups": [{**{k: v for k, v in g.items() if k != "params"},

@@ -38,6 +38,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# Prefixes that wrappers leave in parameter names (torch.compile, DDP, activation checkpointing).
+WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_checkpoint_wrapped_module.")
+
+
+def clean_param_name(name: str) -> str:
+    """A parameter's name as the plain model knows it, without wrapper prefixes."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():

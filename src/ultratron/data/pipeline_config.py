@@ -8,14 +8,13 @@ names its source next to it; docs/data.md explains them.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ultratron.config import apply_tables
+from ultratron.config import apply_tables, did_you_mean
 from ultratron.errors import UserError
 
 STAGES = ("read", "normalize", "exact-dedup", "near-dedup", "substring-dedup", "filter", "perplexity",
@@ -160,8 +159,8 @@ SECTIONS: dict[str, type] = typing.get_type_hints(DataPipelineConfig)
 
 
 def _suggest(name: str, options) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(options)})"
+    """The config's did-you-mean hint, or the full list when nothing is close (lists here are short)."""
+    return did_you_mean(name, list(options)) or f" (known: {', '.join(options)})"
 
 
 def from_dict(data: dict[str, Any]) -> DataPipelineConfig:

@@ -16,7 +16,7 @@ from ultratron.parallel.grads import clip_grad_norm
 from ultratron.parallel.tensor_parallel import local_value
 
 __all__ = ["QuietLog", "QuietMetrics", "average_over_dp", "barrier", "clip_grad_norm", "local_value",
-           "main_first", "resume_parallel", "save_sharded", "wrap_optimizer"]
+           "load_parallel", "main_first", "save_sharded", "wrap_optimizer"]
 
 T = TypeVar("T")
 
@@ -67,28 +67,17 @@ def save_sharded(trainer, state: dict) -> Path:
                 is_main=trainer.dims.is_main)
 
 
-def resume_parallel(trainer, path) -> bool:
-    """Resume from a sharded checkpoint (any layout), or from a one-process checkpoint under a
-    parallel layout. Returns False when the one-process loader should handle it."""
+def load_parallel(trainer, ckpt: Path) -> dict | None:
+    """Load weights and optimizer from a sharded checkpoint (any layout), or from a one-process
+    checkpoint under a parallel layout; returns its saved state. None when the one-process loader
+    should handle it."""
     from ultratron.checkpoint.distributed import is_sharded_checkpoint, load_full_into_layout, load_sharded
-    from ultratron.checkpoint.manager import load_checkpoint, resolve_checkpoint_dir, set_rng_state
-    from ultratron.training.metrics import truncate_metrics
+    from ultratron.checkpoint.manager import load_checkpoint
 
-    ckpt = resolve_checkpoint_dir(path)
-    sharded = is_sharded_checkpoint(ckpt)
-    if not sharded and not trainer.dims.distributed:
-        return False
-    if sharded:
-        state = load_sharded(ckpt, trainer.model, trainer.optimizer)
-    else:
-        parts = load_checkpoint(ckpt, map_location="cpu")
-        load_full_into_layout(parts, trainer.model, trainer.optimizer)
-        state = parts["state"]
-    trainer.train_loader.load_state_dict(state["loader"])
-    set_rng_state(state["rng"])
-    trainer.step = int(state["step"])
-    if trainer.dims.is_main:
-        truncate_metrics(trainer.run_dir, trainer.step)
-    trainer.log(f"checkpoint: resumed from {ckpt} at step {trainer.step}"
-                + (" (sharded, resharded to this layout)" if sharded else ""))
-    return True
+    if is_sharded_checkpoint(ckpt):
+        return load_sharded(ckpt, trainer.model, trainer.optimizer)
+    if not trainer.dims.distributed:
+        return None
+    parts = load_checkpoint(ckpt, map_location="cpu")
+    load_full_into_layout(parts, trainer.model, trainer.optimizer)
+    return parts["state"]

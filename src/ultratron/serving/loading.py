@@ -7,11 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ultratron.checkpoint.manager import load_checkpoint, resolve_checkpoint_dir
+from ultratron.checkpoint.manager import clean_param_name, load_checkpoint, resolve_checkpoint_dir
 from ultratron.errors import CheckpointError
-
-# Wrappers that training may leave in parameter names (compile, DDP, activation checkpointing).
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_checkpoint_wrapped_module.")
 
 
 @dataclass
@@ -24,12 +21,7 @@ class LoadedModel:
 
 
 def clean_state_dict(state: dict) -> dict:
-    out = {}
-    for key, value in state.items():
-        for prefix in _WRAPPER_PREFIXES:
-            key = key.replace(prefix, "")
-        out[key] = value
-    return out
+    return {clean_param_name(key): value for key, value in state.items()}
 
 
 def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> LoadedModel:

@@ -14,7 +14,13 @@ from pathlib import Path
 
 import torch
 
-from ultratron.checkpoint.manager import CheckpointManager, load_checkpoint, rng_state, set_rng_state
+from ultratron.checkpoint.manager import (
+    CheckpointManager,
+    load_checkpoint,
+    resolve_checkpoint_dir,
+    rng_state,
+    set_rng_state,
+)
 from ultratron.config import Config, to_dict, to_toml
 from ultratron.data.loader import TokenLoader
 from ultratron.data.prepare import prepare_data
@@ -124,21 +130,23 @@ class Trainer:
             self.log("checkpoint: resume=auto found no checkpoint; starting from step 0")
             truncate_metrics(self.run_dir, -1)
             return
-        if runtime.resume_parallel(self, path):
-            return
-        parts = load_checkpoint(path, map_location=self.device)
-        try:
-            self.model.load_state_dict(parts["model"])
-        except RuntimeError as err:
-            raise CheckpointError(f"{parts['dir']}: model weights do not fit this model.* config "
-                                  f"({str(err).splitlines()[0]})") from None
-        self.optimizer.load_state_dict(parts["optimizer"])
-        state = parts["state"]
+        ckpt = resolve_checkpoint_dir(path)
+        state = runtime.load_parallel(self, ckpt)
+        if state is None:  # a one-process checkpoint into a one-process run
+            parts = load_checkpoint(ckpt, map_location=self.device)
+            try:
+                self.model.load_state_dict(parts["model"])
+            except RuntimeError as err:
+                raise CheckpointError(f"{ckpt}: model weights do not fit this model.* config "
+                                      f"({str(err).splitlines()[0]})") from None
+            self.optimizer.load_state_dict(parts["optimizer"])
+            state = parts["state"]
         self.train_loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])
-        truncate_metrics(self.run_dir, self.step)
-        self.log(f"checkpoint: resumed from {parts['dir']} at step {self.step}")
+        if self.dims.is_main:
+            truncate_metrics(self.run_dir, self.step)
+        self.log(f"checkpoint: resumed from {ckpt} at step {self.step}")
 
     # ---- one step ------------------------------------------------------------------------------
     def train_step(self) -> dict:
