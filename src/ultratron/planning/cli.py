@@ -200,7 +200,7 @@ def memory_layouts(args) -> list[Layout]:
         sweep[name] = [v.strip() for v in str(raw).split(",")] if name == "recompute" else _int_list(name, raw)
     base = dict(sp=args.sp, pp_schedule=args.pp_schedule, precision=args.precision,
                 fp32_grad_accum=args.fp32_grad_accum,
-                attention_fp32=getattr(args, "attention_fp32", False))
+                attention_fp32=args.attention_fp32)
     return [Layout(**base, **dict(zip(sweep, combo, strict=True))) for combo in itertools.product(*sweep.values())]
 
 
