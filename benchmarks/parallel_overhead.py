@@ -48,7 +48,7 @@ def main() -> None:
 
     import torch
 
-    from ultratron.parallel.local import run_local
+    from ultratron.launch.local import run_local
     from ultratron.training.metrics import read_metrics
 
     torch.set_num_threads(1)

@@ -19,7 +19,7 @@ import time
 import torch
 
 from ultratron.config import load_config
-from ultratron.planning.hardware import measure_cpu_matmul_flops
+from ultratron.training.mfu import measure_cpu_matmul_flops
 from ultratron.training.trainer import Trainer
 
 MODEL_10M = [

@@ -11,7 +11,10 @@ def test_quickstart_runs_the_whole_road_and_starts_over_when_rerun(tmp_path):
     first = run_cli(*args)
     assert first.returncode == 0, first.stderr
     out = first.stdout
-    assert "quickstart finished" in out and "validation loss:" in out and "sample:\ndef" in out
+    assert "quickstart finished" in out and "validation loss:" in out
+    assert first.stderr.count("sample:\ndef") == 1
+    sample_line = first.stderr.split("sample:\n")[1].splitlines()[0]
+    assert sample_line not in out  # the sample is shown once, not repeated in the summary
     for name in ("config.toml", "metrics.jsonl", "report.png", "data/tokenizer.json", "data/train/meta.json",
                  "checkpoints/step-0000006/complete"):
         assert (run / name).exists(), name

@@ -1,4 +1,7 @@
-"""Errors a user can cause and fix: printed as one clear line each, never as a traceback."""
+"""Errors a user can cause and fix: printed as one clear line each, never as a traceback.
+
+Every error class of ultratron lives here, so any layer can raise one without importing another.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +14,28 @@ class UserError(Exception):
         super().__init__("\n".join(self.problems))
 
 
+class ConfigError(UserError):
+    """A configuration (TOML file or --section.field flag) the user can fix; one line per problem."""
+
+
 class DataError(UserError):
     """Missing, empty or malformed training data."""
 
 
 class CheckpointError(UserError):
     """A checkpoint that is missing, incomplete or does not match the run."""
+
+
+class TaskError(UserError):
+    """An evaluation task file or task name that cannot be used."""
+
+
+class ExportError(UserError):
+    """A model that cannot be written in the requested format."""
+
+
+class DeviceError(UserError):
+    """A requested device (e.g. CUDA) that this machine does not have."""
 
 
 def format_user_error(err: UserError) -> str:

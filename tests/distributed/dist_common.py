@@ -38,7 +38,7 @@ def records(run_dir) -> list[dict]:
 def launch(world: int, runs: list[list[str]]) -> None:
     from dist_jobs import train_runs
 
-    from ultratron.parallel.local import run_local
+    from ultratron.launch.local import run_local
 
     run_local(world, train_runs, runs)
 

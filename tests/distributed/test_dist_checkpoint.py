@@ -9,7 +9,6 @@ import shutil
 import pytest
 from dist_common import STEPS, dist_base_fixture, launch, records, references_fixture  # noqa: F401 (fixtures)
 
-from ultratron.checkpoint.distributed import is_sharded_checkpoint
 from ultratron.config import load_config
 from ultratron.training.trainer import train
 
@@ -34,7 +33,7 @@ def resharded(dist_base, references, tmp_path_factory):
 
 def test_checkpoint_is_sharded_and_complete(resharded):
     ckpt = resharded["ckpt"]
-    assert is_sharded_checkpoint(ckpt) and (ckpt / "complete").is_file()
+    assert (ckpt / "dcp" / ".metadata").is_file() and (ckpt / "complete").is_file()
     assert (ckpt.parent / "latest").read_text().strip() == ckpt.name
     assert len(list((ckpt / "dcp").glob("*.distcp"))) == 4  # one file of shards per rank
     assert not list(ckpt.parent.glob(".tmp-*"))
@@ -56,15 +55,15 @@ def test_a_sharded_checkpoint_loads_for_inference_in_one_process(resharded, dist
     """eval, serve, export and the perplexity filter load a multi-process run's checkpoint as well."""
     import torch
 
+    from ultratron.checkpoint.inference import load_for_inference as load_model
     from ultratron.models.llama import build_model
-    from ultratron.serving.loading import load_model
     from ultratron.training.trainer import Trainer
 
     loaded = load_model(resharded["ckpt"])
     assert loaded.step == SAVE_AT
     trainer = Trainer(load_config(None, dist_base + ["--run.dir", str(tmp_path / "r"),
                                                      "--checkpoint.resume", str(resharded["ckpt"])]), echo=False)
-    trainer.maybe_resume()  # the training path's resharding load, for comparison
+    trainer.checkpoints.resume()  # the training path's resharding load, for comparison
     expected = trainer.model.state_dict()
     got = loaded.model.state_dict()
     assert set(got) == set(expected)

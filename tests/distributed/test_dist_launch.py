@@ -23,7 +23,8 @@ def test_tp_that_does_not_divide_heads_stops_with_one_message(tmp_path):
                   "--parallel.tp", "3", "--run.dir", str(run))
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: parallel.tp=3 does not divide model.n_heads=8 and model.n_kv_heads=8"]
+    assert errors == ["error: parallel.tp=3 does not divide model.n_heads=8, model.n_kv_heads=8, model.ffn_dim=128 "
+                      "and model.vocab_size=512"]
     assert "Traceback" not in result.stderr and not run.exists()
 
 

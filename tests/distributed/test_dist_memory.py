@@ -24,7 +24,7 @@ from ultratron.planning.memory import Layout, estimate_memory
 def measured(dist_base, references, tmp_path_factory):
     from dist_jobs import measure_zero_stages
 
-    from ultratron.parallel.local import run_local
+    from ultratron.launch.local import run_local
 
     out = tmp_path_factory.mktemp("memory")
     run_local(2, measure_zero_stages, dist_base, str(out))

@@ -39,7 +39,7 @@ def trained_run(small_corpus, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def trained_checkpoint(trained_run) -> Path:
-    from ultratron.checkpoint.manager import resolve_checkpoint_dir
+    from ultratron.checkpoint.store import resolve_checkpoint_dir
 
     return resolve_checkpoint_dir(trained_run)
 

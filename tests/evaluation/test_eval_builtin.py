@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from conftest import run_cli
+from ultratron.errors import TaskError
 from ultratron.evaluation.backends import LocalBackend
-from ultratron.evaluation.builtin import builtin_suite
+from ultratron.evaluation.builtin import builtin_suite, resolve_tasks
 from ultratron.evaluation.runner import evaluate
-from ultratron.evaluation.tasks import TaskError, load_task_file, resolve_tasks
+from ultratron.evaluation.tasks import load_task_file
 from ultratron.models.llama import Llama
 
 

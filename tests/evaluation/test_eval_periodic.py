@@ -5,12 +5,12 @@ import json
 import statistics
 import time
 
-from ultratron.checkpoint.manager import step_dir_name
+from ultratron.checkpoint.store import step_dir_name
 from ultratron.config import load_config
 from ultratron.evaluation.backends import LocalBackend
 from ultratron.evaluation.runner import evaluate
 from ultratron.evaluation.tasks import load_task_file
-from ultratron.training import trainer as trainer_module
+from ultratron.training import metrics as metrics_module
 from ultratron.training.trainer import train
 
 from .conftest import TINY, free_port
@@ -26,8 +26,8 @@ def _quick_task(tmp_path):
 def _train_with_stamps(monkeypatch, overrides):
     """Train; return [(monotonic time, record)] for every metrics record, in write order."""
     stamps = []
-    original = trainer_module.MetricsWriter.write
-    monkeypatch.setattr(trainer_module.MetricsWriter, "write",
+    original = metrics_module.MetricsWriter.write
+    monkeypatch.setattr(metrics_module.MetricsWriter, "write",
                         lambda self, record: (stamps.append((time.monotonic(), record)), original(self, record)))
     train(load_config(None, overrides), echo=False)
     return stamps

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import run_cli
-from ultratron.checkpoint.hf import ExportError, export_hf, rope_to_half_split
+from ultratron.checkpoint.hf import export_hf, rope_to_half_split
+from ultratron.errors import ExportError
 from ultratron.models.llama import Llama, LlamaArgs
 
 transformers = pytest.importorskip("transformers")
@@ -26,7 +27,7 @@ def test_exported_checkpoint_loads_in_transformers_with_matching_logits(trained_
     assert result.returncode == 0, result.stderr
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in out.iterdir()}
-    from ultratron.serving.loading import load_model
+    from ultratron.checkpoint.inference import load_for_inference as load_model
 
     loaded = load_model(trained_checkpoint)
     text = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int\n"

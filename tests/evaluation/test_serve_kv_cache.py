@@ -2,10 +2,10 @@
 
 import torch
 
+from ultratron.inference.engine import SamplingParams, Sequence, run_batch
+from ultratron.inference.kv_cache import KVCache
 from ultratron.models.llama import Llama, LlamaArgs
-from ultratron.serving.engine import SamplingParams, Sequence, run_batch
-from ultratron.serving.generate import generate
-from ultratron.serving.kv_cache import KVCache
+from ultratron.models.sampling import generate
 
 
 def _model(**kw):

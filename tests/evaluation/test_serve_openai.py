@@ -37,8 +37,8 @@ def test_models_completions_and_logprobs_match_the_checkpoint(served, trained_ch
     assert len(out.choices) == 2 and all(c.finish_reason in ("length", "stop") for c in out.choices)
     assert out.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in out.choices)
     # greedy text agrees with the local model, and the reported logprobs are the model's
-    from ultratron.serving.generate import generate
-    from ultratron.serving.loading import load_model
+    from ultratron.checkpoint.inference import load_for_inference as load_model
+    from ultratron.models.sampling import generate
 
     loaded = load_model(trained_checkpoint)
     tok = loaded.tokenizer

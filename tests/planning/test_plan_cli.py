@@ -18,7 +18,7 @@ def test_plan_commands_and_planning_import_no_torch(tmp_path):
     script = f"""
 import sys, contextlib, io
 import ultratron.planning, ultratron.planning.memory, ultratron.planning.scaling
-import ultratron.planning.search, ultratron.planning.hardware, ultratron.planning.cli
+import ultratron.planning.search, ultratron.planning.hardware, ultratron.cli.plan
 from ultratron.cli import main
 with contextlib.redirect_stdout(io.StringIO()):
     codes = [main(["plan", "memory", "--model", "llama3-8b", "--json", "--chart", r"{tmp_path / 'm.png'}"]),

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ultratron.config import ModelConfig
-from ultratron.models.llama import FeedForward, RMSNorm, build_model
+from ultratron.models.llama.model import FeedForward, RMSNorm, build_model
 from ultratron.planning.memory import Layout, estimate_memory
 
 

@@ -1,6 +1,7 @@
 import pytest
 
 from ultratron.config import load_config
+from ultratron.config.layouts import config_toml
 from ultratron.errors import UserError
 from ultratron.models.presets import PRESETS
 from ultratron.planning.hardware import get_accelerator
@@ -9,7 +10,6 @@ from ultratron.planning.params import count_params_of
 from ultratron.planning.search import (
     LATENCY_INTRA_S,
     SearchSpec,
-    config_toml,
     enumerate_layouts,
     estimate_step,
     search,

@@ -18,13 +18,9 @@ from pathlib import Path
 
 import torch
 
-from ultratron.errors import UserError
+from ultratron.errors import ExportError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ExportError(UserError):
-    """A model or destination that cannot be exported as asked."""
 
 
 def rope_to_half_split(weight: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -1,162 +1,138 @@
-"""Checkpoints of a run: `RUN/checkpoints/step-NNNNNNN/` plus a `latest` pointer.
+"""The one owner of checkpoints: every save and every load of ultratron goes through here.
 
-A checkpoint is written into a hidden temporary directory and renamed into place only when
-every file is on disk, then `latest` is replaced atomically: a crash at any moment leaves either
-the old checkpoint or the new one, never half of one. A checkpoint is self-contained (config,
-tokenizer, model, optimizer, data-loader position, RNG states), so eval, export and serving
-need nothing else.
-
-Files: `model.pt` (model state dict), `optimizer.pt`, `state.pt` (step, loader and RNG states),
-`config.toml`, `tokenizer.json`, `complete` (written last, before the rename).
+One format for every layout, one process or many: `dcp/` holds the model (and optimizer) as a
+`torch.distributed.checkpoint` of name-keyed tensors with their global shapes, which loads into
+any other layout; `state.pt` holds the run's own state (step, data-loader position, RNG), written
+by rank 0; `config.toml` and `tokenizer.json` make the directory self-contained, so evaluation,
+serving and export need nothing else. Directory conventions and atomicity: `store.py`.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
 
+from ultratron.checkpoint.state import ModelState
+from ultratron.checkpoint.store import CheckpointRoot, begin, commit, resolve_checkpoint_dir, step_of, temp_dir_for
 from ultratron.errors import CheckpointError
 
-LATEST = "latest"
-DONE_MARKER = "complete"
+DCP_DIR = "dcp"
+STATE_FILE = "state.pt"
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:07d}"
+def _cause(err: BaseException) -> str:
+    """The underlying error's own line: DCP's message is a header, then each rank's traceback."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
-# Prefixes that wrappers leave in parameter names (torch.compile, DDP, activation checkpointing).
-WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_checkpoint_wrapped_module.")
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
-def clean_param_name(name: str) -> str:
-    """A parameter's name as the plain model knows it, without wrapper prefixes."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+@contextmanager
+def _one_process_is_intended():
+    """DCP warns when no process group exists; reading or writing in one process is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def write_checkpoint(final: Path, step: int, model: ModelState, train_state: Stateful | None = None,
+                     files: dict[str, str] | None = None) -> Path:
+    """Write one checkpoint directory atomically. Every rank calls this; returns `final`."""
+    tag = "sharded" if dist.is_initialized() else str(os.getpid())
+    tmp = temp_dir_for(final, tag)
+    if _is_main():
+        begin(final, tag)
+    _barrier()
+    with _one_process_is_intended():
+        dcp.save({"app": model}, checkpoint_id=str(tmp / DCP_DIR))
+    if _is_main():
+        if train_state is not None:
+            torch.save(train_state.state_dict(), tmp / STATE_FILE)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        commit(tmp, final, step)
+    _barrier()
+    return final
 
 
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class CheckpointManager:
-    def __init__(self, root: str | Path, keep: int = 3):
-        self.root = Path(root)
-        self.keep = keep
-
-    # ---- writing ----------------------------------------------------------------------------
-    def save(self, step: int, *, model_state: dict, optimizer_state: dict, state: dict,
-             config_toml: str, tokenizer_json: str) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
-        final = self.root / step_dir_name(step)
-        tmp = self.root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        torch.save(model_state, tmp / "model.pt")
-        torch.save(optimizer_state, tmp / "optimizer.pt")
-        torch.save(state, tmp / "state.pt")
-        (tmp / "config.toml").write_text(config_toml, encoding="utf-8")
-        (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-        for file in tmp.iterdir():
-            with open(file, "rb") as fh:
-                os.fsync(fh.fileno())
-        (tmp / DONE_MARKER).write_text(f"{step}\n")
-        _fsync_dir(tmp)
-        if final.exists():  # a re-save of the same step (e.g. after a rollback) replaces it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        self._point_latest(final.name)
-        self._prune()
-        return final
-
-    def _point_latest(self, name: str) -> None:
-        tmp = self.root / f".{LATEST}.tmp"
-        tmp.write_text(name + "\n")
-        os.replace(tmp, self.root / LATEST)
-        _fsync_dir(self.root)
-
-    def _prune(self) -> None:
-        steps = self.complete_checkpoints()
-        for path in steps[: max(0, len(steps) - self.keep)]:
-            shutil.rmtree(path, ignore_errors=True)
-
-    # ---- reading ----------------------------------------------------------------------------
-    def complete_checkpoints(self) -> list[Path]:
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.glob("step-*") if (p / DONE_MARKER).is_file()]
-        return sorted(found, key=lambda p: p.name)
-
-    def latest(self) -> Path | None:
-        """The checkpoint `latest` names; if that one is gone or incomplete, the newest complete one."""
-        pointer = self.root / LATEST
-        if pointer.is_file():
-            candidate = self.root / pointer.read_text().strip()
-            if (candidate / DONE_MARKER).is_file():
-                return candidate
-        done = self.complete_checkpoints()
-        return done[-1] if done else None
-
-
-def resolve_checkpoint_dir(path: str | Path) -> Path:
-    """A checkpoint directory, or a run / checkpoints directory whose latest one is meant."""
-    path = Path(path)
-    if (path / DONE_MARKER).is_file():
-        return path
-    for root in (path, path / "checkpoints"):
-        found = CheckpointManager(root).latest() if root.is_dir() else None
-        if found is not None:
-            return found
-    if path.name == LATEST and path.parent.is_dir():
-        found = CheckpointManager(path.parent).latest()
-        if found is not None:
-            return found
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
-    raise CheckpointError(f"{path}: not a complete checkpoint (no '{DONE_MARKER}' marker) and holds none")
-
-
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
-                    parts_to_load: tuple[str, ...] = ("model", "optimizer", "state")) -> dict:
-    """The named parts of a checkpoint (plus its dir, config and tokenizer text); raises
-    CheckpointError for a missing or damaged one. Eval and serving need only "model"."""
+def read_checkpoint(path: str | Path, model: ModelState, train_state: Stateful | None = None) -> Path:
+    """Load a checkpoint (a step, run or checkpoints directory) into `model` — whatever layout it
+    was written under — and `train_state`. Every rank calls this; returns the checkpoint directory."""
     ckpt = resolve_checkpoint_dir(path)
-    parts = {}
-    for name in parts_to_load:
-        file = ckpt / f"{name}.pt"
-        if not file.is_file():
-            raise CheckpointError(f"{ckpt}: {file.name} is missing")
+    if not (ckpt / DCP_DIR / ".metadata").is_file():
+        old = " (it holds model.pt: written by an older ultratron, whose format this one does not read)"
+        raise CheckpointError(f"{ckpt}: no {DCP_DIR}/ weights{old if (ckpt / 'model.pt').exists() else ''}")
+    try:
+        with _one_process_is_intended():
+            dcp.load({"app": model}, checkpoint_id=str(ckpt / DCP_DIR))
+    except (Exception, CheckpointException) as err:  # DCP wraps each rank's error (a BaseException)
+        raise CheckpointError(f"{ckpt}: the saved weights do not fit this model ({_cause(err)})") from None
+    if train_state is not None:
+        file = ckpt / STATE_FILE
         try:
-            parts[name] = torch.load(file, map_location=map_location, weights_only=False)
+            state = torch.load(file, map_location="cpu", weights_only=False)
         except Exception as err:  # torch raises several types for truncated or foreign files
             raise CheckpointError(f"{file}: cannot be read ({type(err).__name__}: {err})") from None
-    parts["dir"] = ckpt
-    parts["config_toml"] = (ckpt / "config.toml").read_text(encoding="utf-8")
-    parts["tokenizer_json"] = (ckpt / "tokenizer.json").read_text(encoding="utf-8")
-    return parts
+        train_state.load_state_dict(state)
+    return ckpt
+
+
+class Checkpointer:
+    """A run's checkpoints under `root`: save with `latest` and retention, load, find the latest."""
+
+    def __init__(self, root: str | Path, keep: int = 3):
+        self.root = CheckpointRoot(root, keep)
+
+    def latest(self) -> Path | None:
+        return self.root.latest()
+
+    def save(self, step: int, model: ModelState, train_state: Stateful, files: dict[str, str]) -> Path:
+        final = write_checkpoint(self.root.path_for(step), step, model, train_state, files)
+        if _is_main():
+            self.root.point_latest(final)
+            self.root.prune()
+        _barrier()
+        return final
+
+    def load(self, path: str | Path, model: ModelState, train_state: Stateful | None = None) -> Path:
+        return read_checkpoint(path, model, train_state)
+
+
+def snapshot(dest: Path, step: int, files: dict[str, str], model: ModelState | None = None,
+             source: Path | None = None) -> Path:
+    """A weights-only checkpoint at `dest` for a reader in another process (periodic evaluation):
+    hard links to the files of `source` (a checkpoint of this step, so pruning it later cannot
+    pull them away), or else the model written out. One process only."""
+    if source is None or not (source / DCP_DIR).is_dir():
+        return write_checkpoint(dest, step, model, None, files)
+    tmp = begin(dest, str(os.getpid()))
+    for file in (source / DCP_DIR).iterdir():
+        (tmp / DCP_DIR).mkdir(exist_ok=True)
+        try:
+            os.link(file, tmp / DCP_DIR / file.name)
+        except OSError:
+            shutil.copyfile(file, tmp / DCP_DIR / file.name)
+    for name, text in files.items():
+        (tmp / name).write_text(text, encoding="utf-8")
+    return commit(tmp, dest, step)
+
+
+__all__ = ["Checkpointer", "ModelState", "read_checkpoint", "resolve_checkpoint_dir", "snapshot", "step_of",
+           "write_checkpoint"]

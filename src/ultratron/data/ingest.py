@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ultratron.data.pipeline import PartWriter, StageContext, part_done
-from ultratron.data.sources import BUILTIN_EXCLUDED_DIRS, _walk_files, builtin_corpus_root
+from ultratron.data.sources import BUILTIN_EXCLUDED_DIRS, builtin_corpus_root, walk_files
 
 # An item is (id, record or None, reason or None, raw size in bytes, snippet for the report).
 Item = tuple[str, dict | None, str | None, int, str | None]
@@ -111,7 +111,7 @@ def iter_source(source: str, cfg) -> Iterator[Item]:
     """Every input item of `source` ("builtin", a file or a directory), in a fixed order."""
     if source == "builtin":
         root = builtin_corpus_root()
-        for path in _walk_files(root, (".py",), BUILTIN_EXCLUDED_DIRS):
+        for path in walk_files(root, (".py",), BUILTIN_EXCLUDED_DIRS):
             yield from _iter_text_file(path, str(path.relative_to(root)), cfg)
         return
     root = Path(source)
@@ -120,7 +120,7 @@ def iter_source(source: str, cfg) -> Iterator[Item]:
 
         raise DataError(f"pipeline.input {source!r} does not exist (use 'builtin' for the built-in corpus)")
     extensions = tuple(e.strip() for e in cfg.read.extensions.split(",") if e.strip())
-    files = [root] if root.is_file() else _walk_files(root, extensions)
+    files = [root] if root.is_file() else walk_files(root, extensions)
     for path in files:
         rel = path.name if root.is_file() else str(path.relative_to(root))
         if path.suffix == ".jsonl":

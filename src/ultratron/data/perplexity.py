@@ -59,10 +59,10 @@ class ModelScorer:
 
 def load_scorer(checkpoint: str, tokenizer_path: str = "", max_tokens: int = 512, batch_size: int = 8) -> Scorer:
     """A ModelScorer from an ultratron checkpoint (a step directory, or a run whose latest is meant)."""
+    from ultratron.checkpoint.inference import load_for_inference
     from ultratron.data.tokenizer import Tokenizer
-    from ultratron.serving.loading import load_model
 
-    loaded = load_model(checkpoint)
+    loaded = load_for_inference(checkpoint)
     model = loaded.model
     tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path else loaded.tokenizer
     return ModelScorer(model, tokenizer, max_tokens, batch_size)

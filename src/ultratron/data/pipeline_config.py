@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ultratron.config import apply_tables, did_you_mean
+from ultratron.config.loader import apply_tables, did_you_mean
 from ultratron.errors import UserError
 
 STAGES = ("read", "normalize", "exact-dedup", "near-dedup", "substring-dedup", "filter", "perplexity",
@@ -166,7 +166,7 @@ def _suggest(name: str, options) -> str:
 def from_dict(data: dict[str, Any]) -> DataPipelineConfig:
     cfg = DataPipelineConfig()
     problems: list[str] = []
-    apply_tables(cfg, data, problems, sections=SECTIONS)
+    apply_tables(cfg, data, problems)
     problems += validate(cfg)
     if problems:
         raise DataConfigError(problems)

@@ -36,7 +36,7 @@ def builtin_corpus_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _walk_files(root: Path, extensions: tuple[str, ...], excluded_dirs: frozenset[str] = frozenset()) -> list[Path]:
+def walk_files(root: Path, extensions: tuple[str, ...], excluded_dirs: frozenset[str] = frozenset()) -> list[Path]:
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in excluded_dirs and not d.startswith("."))
@@ -68,7 +68,7 @@ def iter_builtin() -> Iterator[Document]:
     """The standard library's .py files. Files that are not UTF-8 are skipped (there are none
     outside the excluded test directories in CPython 3.11, but other builds may differ)."""
     root = builtin_corpus_root()
-    for path in _walk_files(root, (".py",), BUILTIN_EXCLUDED_DIRS):
+    for path in walk_files(root, (".py",), BUILTIN_EXCLUDED_DIRS):
         text = _decode(path.read_bytes(), str(path), strict=False)
         if text and text.strip():
             yield Document(id=str(path.relative_to(root)), text=text)
@@ -95,7 +95,7 @@ def iter_path(path: str | Path, extensions: tuple[str, ...] = (".txt",)) -> Iter
     root = Path(path)
     if not root.exists():
         raise DataError(f"data.path {str(root)!r} does not exist")
-    files = [root] if root.is_file() else _walk_files(root, extensions)
+    files = [root] if root.is_file() else walk_files(root, extensions)
     for file in files:
         rel = file.name if root.is_file() else str(file.relative_to(root))
         if file.suffix == ".jsonl":

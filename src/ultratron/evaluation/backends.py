@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,9 +49,9 @@ class LocalBackend:
 
     @classmethod
     def from_checkpoint(cls, checkpoint, device: str = "cpu") -> LocalBackend:
-        from ultratron.serving.loading import load_model
+        from ultratron.checkpoint.inference import load_for_inference
 
-        loaded = load_model(checkpoint, device)
+        loaded = load_for_inference(checkpoint, device)
         backend = cls(loaded.model, loaded.tokenizer)
         backend.step = loaded.step
         return backend
@@ -115,7 +116,7 @@ class LocalBackend:
         return [(s, n, b) for s, (n, b) in zip(sums, meta, strict=True)]
 
     def generate(self, requests: list[tuple[str, tuple[str, ...], int]]) -> list[str]:
-        from ultratron.serving.engine import SamplingParams, Sequence, run_batch
+        from ultratron.inference.engine import SamplingParams, Sequence, run_batch
 
         seqs = []
         for prompt, stop, max_tokens in requests:
@@ -174,6 +175,13 @@ class EndpointBackend:
         self.generation_api = generation_api
         self.usage = usage or UsageCounter()
         self.base_url = base
+
+    @classmethod
+    def from_config(cls, e) -> EndpointBackend:
+        """From endpoint settings (`ultratron.config.EndpointConfig`); the key is read from its variable."""
+        usage = UsageCounter(e.price_per_request, e.price_per_1k_prompt_tokens, e.price_per_1k_completion_tokens)
+        return cls(e.endpoint, e.endpoint_model, os.environ.get(e.api_key_env), concurrency=e.concurrency,
+                   timeout=e.timeout, max_retries=e.max_retries, generation_api=e.generation_api, usage=usage)
 
     def describe(self) -> str:
         return f"endpoint {self.base_url} model {self.model}"

@@ -14,8 +14,10 @@ import functools
 import keyword
 import random
 import re
+from pathlib import Path
 
-from ultratron.evaluation.tasks import ChoiceExample, GenerationExample, Task, TextExample
+from ultratron.errors import TaskError
+from ultratron.evaluation.tasks import ChoiceExample, GenerationExample, Task, TextExample, load_task_file
 
 BUILTIN_TASKS = ("builtin_bpb", "builtin_next_line", "builtin_identifier_cloze", "builtin_arithmetic")
 HELD_OUT_FRACTION = 0.05  # the trainer's default data.held_out_fraction
@@ -33,11 +35,11 @@ _CODE_START = re.compile(r"^\s*(?:[A-Za-z_@]|[)\]}])")  # not a string, comment 
 
 
 def held_out_documents(fraction: float = HELD_OUT_FRACTION) -> list[tuple[str, str]]:
-    from ultratron.data.sources import BUILTIN_EXCLUDED_DIRS, _walk_files, builtin_corpus_root, held_out
+    from ultratron.data.sources import BUILTIN_EXCLUDED_DIRS, builtin_corpus_root, held_out, walk_files
 
     root = builtin_corpus_root()
     docs = []
-    for path in _walk_files(root, (".py",), BUILTIN_EXCLUDED_DIRS):
+    for path in walk_files(root, (".py",), BUILTIN_EXCLUDED_DIRS):
         doc_id = str(path.relative_to(root))
         if not held_out(doc_id, fraction):
             continue
@@ -146,3 +148,23 @@ def builtin_suite(fraction: float = HELD_OUT_FRACTION) -> tuple[Task, ...]:
     bpb = Task("builtin_bpb", "text", [TextExample(text[:1500]) for _, text in docs[:PER_TASK]])
     return (bpb, next_line_task(docs, random.Random(1)), identifier_cloze_task(docs, random.Random(2)),
             arithmetic_task(random.Random(3)))
+
+
+def resolve_tasks(spec: str) -> list[Task]:
+    """`builtin`, built-in task names and task files, comma-separated."""
+    tasks: list[Task] = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        if item == "builtin":
+            tasks.extend(builtin_suite())
+        elif item in BUILTIN_TASKS:
+            tasks.extend(t for t in builtin_suite() if t.name == item)
+        elif item.endswith((".json", ".jsonl")) or Path(item).exists():
+            tasks.append(load_task_file(item))
+        else:
+            raise TaskError(f"unknown task {item!r}: use builtin, one of {', '.join(BUILTIN_TASKS)}, "
+                            "or a .jsonl / .json task file")
+    if not tasks:
+        raise TaskError("no tasks given")
+    return tasks

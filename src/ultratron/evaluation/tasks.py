@@ -24,11 +24,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ultratron.errors import UserError
-
-
-class TaskError(UserError):
-    """A task file or task name that cannot be used."""
+from ultratron.errors import TaskError
 
 
 @dataclass
@@ -163,25 +159,3 @@ def load_task_file(path: str | Path) -> Task:
     if path.suffix == ".jsonl":
         return load_jsonl_task(path)
     raise TaskError(f"{path}: task files are .jsonl (ultratron or lm-eval style) or .json (BIG-bench)")
-
-
-def resolve_tasks(spec: str) -> list[Task]:
-    """`builtin`, built-in task names and task files, comma-separated."""
-    from ultratron.evaluation.builtin import BUILTIN_TASKS, builtin_suite
-
-    tasks: list[Task] = []
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
-        if item == "builtin":
-            tasks.extend(builtin_suite())
-        elif item in BUILTIN_TASKS:
-            tasks.extend(t for t in builtin_suite() if t.name == item)
-        elif item.endswith((".json", ".jsonl")) or Path(item).exists():
-            tasks.append(load_task_file(item))
-        else:
-            raise TaskError(f"unknown task {item!r}: use builtin, one of {', '.join(BUILTIN_TASKS)}, "
-                            "or a .jsonl / .json task file")
-    if not tasks:
-        raise TaskError("no tasks given")
-    return tasks

@@ -48,9 +48,3 @@ PRESETS: dict[str, ModelShape] = {
     ),
 }
 
-
-def get_preset(name: str) -> ModelShape:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise KeyError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}") from None

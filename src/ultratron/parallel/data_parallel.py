@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ultratron.models.plan import ParallelPlan
 from ultratron.parallel.dims import ParallelDims
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str) -> nn.Module:
+def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, plan: ParallelPlan) -> nn.Module:
     """Shard each transformer block, then the root (which holds the embedding, the final norm and the
     output head: with tied embeddings these share one parameter, so they must stay in one group)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -38,7 +39,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str) -> nn.Modul
                               reduce_dtype=torch.float32)
     reshard = dims.zero == 3
     mesh = dims.dp_mesh
-    for block in model.layers.values():
+    for block in plan.blocks(model).values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     # The root's parameters are the first used in backward's end; keeping them gathered avoids an
     # all-gather that would be needed again at once (as torchtitan does).
@@ -57,11 +58,11 @@ def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
     return ddp
 
 
-def apply_data_parallel(model: nn.Module, dims: ParallelDims, precision: str) -> nn.Module:
+def apply_data_parallel(model: nn.Module, dims: ParallelDims, precision: str, plan: ParallelPlan) -> nn.Module:
     if dims.dp == 1:
         return model
     if dims.uses_fsdp:
-        return apply_fsdp(model, dims, precision)
+        return apply_fsdp(model, dims, precision, plan)
     return apply_ddp(model, dims)
 
 

@@ -3,18 +3,24 @@
 Mesh dimensions, outermost first: pp, dp_replicate, dp_shard, cp, tp (torchtitan's order: the
 axes that talk the most, tp, sit innermost, i.e. on neighbouring ranks / the same node).
 `dp` is the total data-parallel degree; with HSDP it splits into `dp_replicate` groups that each
-shard over `dp_shard = dp / dp_replicate` ranks. Every check runs in `validate()`, before any
-process group exists, so a layout that does not divide stops with one clear message.
+shard over `dp_shard = dp / dp_replicate` ranks. The layout's rules are checked with the
+config (`config.training.validate`, `planning.rules`) before any process group exists; here only
+the launch itself is checked: the number of processes must equal the layout's product.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 
-from ultratron.config import ConfigError
+from ultratron.errors import ConfigError
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -33,14 +39,17 @@ class ParallelDims:
     mesh: object = field(default=None, repr=False, compare=False)  # a DeviceMesh once built
 
     @classmethod
-    def from_config(cls, parallel_cfg, model_cfg=None) -> ParallelDims:
-        """Read the launch environment (torchrun's RANK / WORLD_SIZE / LOCAL_RANK) and validate."""
+    def from_config(cls, parallel_cfg) -> ParallelDims:
+        """Read the launch environment (torchrun's RANK / WORLD_SIZE / LOCAL_RANK) and check it."""
         dims = cls(dp=parallel_cfg.dp, tp=parallel_cfg.tp, pp=parallel_cfg.pp, cp=parallel_cfg.cp,
-                   ep=parallel_cfg.ep, dp_replicate=getattr(parallel_cfg, "dp_replicate", 1),
-                   zero=parallel_cfg.zero, sp=parallel_cfg.sp,
-                   world_size=int(os.environ.get("WORLD_SIZE", "1")), rank=int(os.environ.get("RANK", "0")),
-                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-        dims.validate(model_cfg)
+                   ep=parallel_cfg.ep, dp_replicate=parallel_cfg.dp_replicate, zero=parallel_cfg.zero,
+                   sp=parallel_cfg.sp, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                   rank=int(os.environ.get("RANK", "0")), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        if dims.product != dims.world_size:
+            raise ConfigError(
+                f"parallel layout dp×tp×pp×cp = {dims.dp}×{dims.tp}×{dims.pp}×{dims.cp} = {dims.product} "
+                f"does not equal the number of processes ({dims.world_size}); launch with "
+                f"torchrun --nproc-per-node {dims.product} or change the layout")
         return dims
 
     # ---- derived sizes ------------------------------------------------------------------------
@@ -58,36 +67,6 @@ class ParallelDims:
         """FSDP2 for ZeRO 2/3 and HSDP; also when dp meets tp, since DDP takes no DTensor parameters."""
         return self.dp > 1 and (self.zero >= 2 or self.dp_replicate > 1 or self.tp > 1)
 
-    def validate(self, model_cfg=None) -> None:
-        problems: list[str] = []
-        if self.product != self.world_size:
-            problems.append(
-                f"parallel layout dp×tp×pp×cp = {self.dp}×{self.tp}×{self.pp}×{self.cp} = {self.product} "
-                f"does not equal the number of processes ({self.world_size}); launch with "
-                f"torchrun --nproc-per-node {self.product} or change the layout")
-        if self.dp_replicate < 1 or self.dp % self.dp_replicate:
-            problems.append(f"parallel.dp_replicate={self.dp_replicate} must divide parallel.dp={self.dp} "
-                            "(HSDP: dp = dp_replicate × dp_shard)")
-        elif self.dp_replicate > 1 and self.zero < 2:
-            problems.append(f"parallel.dp_replicate={self.dp_replicate} (HSDP) shards within each replica "
-                            f"group, so it needs parallel.zero 2 or 3, got {self.zero}")
-        if self.sp and self.tp == 1:
-            problems.append("parallel.sp=true needs parallel.tp > 1 (sequence parallel splits the norm "
-                            "regions over the tensor-parallel ranks)")
-        for name in ("pp", "cp", "ep"):
-            if getattr(self, name) > 1:
-                problems.append(f"parallel.{name}={getattr(self, name)}: this build trains with data and "
-                                f"tensor parallelism only; set parallel.{name}=1")
-        if model_cfg is not None and self.tp > 1:
-            if model_cfg.n_heads % self.tp or model_cfg.n_kv_heads % self.tp:
-                problems.append(f"tp={self.tp} does not divide n_heads={model_cfg.n_heads} and "
-                                f"n_kv_heads={model_cfg.n_kv_heads}")
-            for name in ("ffn_dim", "vocab_size"):
-                if getattr(model_cfg, name) % self.tp:
-                    problems.append(f"tp={self.tp} does not divide model.{name}={getattr(model_cfg, name)}")
-        if problems:
-            raise ConfigError(problems)
-
     # ---- ranks ----------------------------------------------------------------------------------
     @property
     def dp_rank(self) -> int:
@@ -102,14 +81,27 @@ class ParallelDims:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    def barrier(self) -> None:
+        if self.distributed:
+            if dist.is_initialized():
+                dist.barrier()
+
+    def main_first(self, work: Callable[[], T]) -> T:
+        """Rank 0 does `work` (e.g. training the tokenizer and writing shards) while the others wait;
+        then the others do it too, which finds what rank 0 left and only reads it."""
+        if self.is_main:
+            result = work()
+            self.barrier()
+            return result
+        self.barrier()
+        return work()
+
     # ---- process group and mesh -----------------------------------------------------------------
     def init_distributed(self, device: torch.device) -> torch.device:
         """Join the process group (gloo on CPU, nccl with one GPU per local rank) and build the mesh.
         Returns the device this rank computes on. A no-op in one process."""
         if not self.distributed:
             return device
-        import torch.distributed as dist
-
         if device.type == "cuda":
             device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(device)

@@ -1,6 +1,7 @@
 """Apply parallelism to a plain model from outside, in one fixed order:
-TP/SP → CP → activation recomputation → compile → FSDP/DDP. Each axis lives in its own module;
-this file only orders them and gives the training loop the few hooks it needs per micro-batch."""
+TP/SP → CP → activation recomputation → compile → FSDP/DDP. Each axis lives in its own module and
+cuts the model where its family's plan (`models/*/parallel_plan.py`) says; this file only orders
+them and gives a training step the few hooks it needs per micro-batch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 
 from torch import nn
 
+from ultratron.models.registry import plan_of
 from ultratron.parallel.data_parallel import apply_data_parallel, gradient_sync
 from ultratron.parallel.dims import ParallelDims
 from ultratron.parallel.recompute import apply_recompute
@@ -15,10 +17,11 @@ from ultratron.parallel.tensor_parallel import apply_tensor_parallel, loss_conte
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
-    model = apply_tensor_parallel(model, dims)
+    plan = plan_of(model)
+    model = apply_tensor_parallel(model, dims, plan)
     # (context parallel and torch.compile plug in here, in this order)
-    model = apply_recompute(model, cfg.training.recompute)
-    return apply_data_parallel(model, dims, cfg.training.precision)
+    model = apply_recompute(model, cfg.training.recompute, plan)
+    return apply_data_parallel(model, dims, cfg.training.precision, plan)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ultratron.models.plan import ParallelPlan
+
 _SAVED_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -29,10 +31,11 @@ def _policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
+def apply_recompute(model: nn.Module, mode: str, plan: ParallelPlan) -> nn.Module:
     if mode == "none":
         return model
-    for name, block in list(model.layers.named_children()):
+    blocks = plan.blocks(model)
+    for name, block in list(blocks.named_children()):
         if mode == "full":
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
         else:
@@ -40,5 +43,5 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
                 block, preserve_rng_state=False,
                 context_fn=partial(create_selective_checkpoint_contexts, _policy),
             )
-        model.layers.register_module(name, wrapped)
+        blocks.register_module(name, wrapped)
     return model

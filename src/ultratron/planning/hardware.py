@@ -6,19 +6,13 @@ REFERENCES.md). Memory is the capacity the driver reports (GiB), not the marketi
 Bandwidths are per GPU and per direction: `intra_node_bw` over NVLink / Infinity Fabric / PCIe,
 `inter_node_bw` over the network (one NIC per GPU, as in the reference systems named).
 
-The CPU has no datasheet peak: `peak_flops("cpu", dtype)` times a large matmul with torch (the
-only place this module touches torch, imported inside the function) and caches the result in
-~/.cache/ultratron/cpu_peak.json, so MFU on a CPU is relative to what its matmul achieves.
+The CPU has no datasheet peak: the trainer measures its matmul throughput (`training.mfu`), so MFU
+on a CPU is relative to what its matmul achieves. This module imports no torch.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ultratron.errors import UserError
 
@@ -144,81 +138,17 @@ def get_accelerator(name: str) -> Accelerator:
     return acc
 
 
-def _dtype_key(dtype: str) -> str:
+def dtype_key(dtype: str) -> str:
     key = dtype.lower().removeprefix("torch.")
     return DTYPE_ALIASES.get(key, key)
 
 
-def default_cache_path() -> Path:
-    return Path.home() / ".cache" / "ultratron" / "cpu_peak.json"
-
-
-def measure_cpu_matmul_flops(dtype: str = "fp32", seconds: float = 1.0, size: int = 1024) -> float:
-    """Best FLOP/s of repeated square matmuls on this CPU with torch's current thread count."""
-    import torch
-
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    a = torch.randn(size, size, dtype=torch_dtype)
-    b = torch.randn(size, size, dtype=torch_dtype)
-    torch.mm(a, b)  # warm-up: first call pays for thread-pool start and kernel selection
-    best = float("inf")
-    deadline = time.perf_counter() + seconds
-    runs = 0
-    while runs < 3 or time.perf_counter() < deadline:
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-        runs += 1
-    return 2.0 * size**3 / best
-
-
-def _cpu_key(dtype: str) -> str:
-    import torch
-
-    return f"{platform.machine()}|{platform.processor() or 'cpu'}|{os.cpu_count()}|" \
-           f"threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
-
-
-def cpu_peak_flops(dtype: str = "fp32", cache_path: Path | None = None, refresh: bool = False) -> tuple[float, str]:
-    """Measured matmul FLOP/s of this CPU for `dtype`, cached per machine, thread count and torch version.
-
-    A peak is a maximum: a measurement taken while other work shares the CPU comes out low. So
-    `refresh=True` measures again and keeps the larger of the old and new figures."""
-    path = cache_path or default_cache_path()
-    key = _cpu_key(dtype)
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if not isinstance(cache, dict):
-        cache = {}
-    if key in cache and not refresh:
-        return float(cache[key]), f"measured {dtype} matmul on this CPU (cached in {path})"
-    value = max(measure_cpu_matmul_flops(dtype), float(cache.get(key, 0.0)))
-    cache[key] = value
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-        tmp.replace(path)  # never leave a half-written cache behind
-    except OSError:
-        pass  # a read-only home only costs a re-measurement next time
-    return value, f"measured {dtype} matmul on this CPU"
-
-
-def peak_flops(device_name: str, dtype: str, cache_path: Path | None = None,
-               refresh: bool = False) -> tuple[float, str]:
-    """(dense peak FLOP/s, where the number comes from) for a device name and dtype.
-
-    "cpu" is measured (and cached); a GPU name is looked up in `ACCELERATORS`, matching torch's
-    device names such as "NVIDIA H100 80GB HBM3". An unknown device or dtype gives 0.0, which
-    `flops.mfu` turns into an MFU of 0 rather than a wrong number.
-    """
-    key = _dtype_key(dtype)
-    if _normalise(device_name).split(":")[0] == "cpu":
-        if key not in ("fp32", "bf16", "fp16"):
-            return 0.0, f"no CPU measurement for dtype {dtype!r}"
-        return cpu_peak_flops(key, cache_path, refresh)
+def peak_flops(device_name: str, dtype: str) -> tuple[float, str]:
+    """(dense peak FLOP/s, where the number comes from) for a GPU name and dtype, looked up in
+    `ACCELERATORS` (matching torch's device names such as "NVIDIA H100 80GB HBM3"). An unknown
+    device or dtype gives 0.0, which `flops.mfu` turns into an MFU of 0 rather than a wrong number.
+    A CPU has no table entry: the trainer measures it (`training.mfu`)."""
+    key = dtype_key(dtype)
     acc = find_accelerator(device_name)
     if acc is None:
         return 0.0, f"unknown device {device_name!r} (known: {', '.join(ACCELERATORS)})"

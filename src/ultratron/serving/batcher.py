@@ -6,7 +6,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from ultratron.serving.engine import Sequence, run_batch
+from ultratron.inference.engine import Sequence, run_batch
 
 
 class _Job:

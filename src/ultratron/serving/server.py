@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ultratron.inference.engine import SamplingParams, Sequence, TokenInfo
 from ultratron.serving.batcher import Batcher
-from ultratron.serving.engine import SamplingParams, Sequence, TokenInfo
 
 ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool", "developer": "System"}
 

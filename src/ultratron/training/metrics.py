@@ -16,15 +16,15 @@ class RunLog:
         run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(run_dir / "train.log", "a", encoding="utf-8")
         self.echo = echo
-        self._writer = None  # a tqdm bar, when one is active, so messages don't break it
 
-    def __call__(self, message: str) -> None:
+    def __call__(self, message: str, write=None) -> None:
+        """`write`: prints the console line instead of print (a progress bar's, so it is not broken)."""
         line = f"[{time.strftime('%H:%M:%S')}] {message}"
         self._file.write(line + "\n")
         self._file.flush()
         if self.echo:
-            if self._writer is not None:
-                self._writer.write(line, file=sys.stderr)
+            if write is not None:
+                write(line, file=sys.stderr)
             else:
                 print(line, file=sys.stderr, flush=True)
 
@@ -33,9 +33,11 @@ class RunLog:
 
 
 class MetricsWriter:
+    """metrics.jsonl (opened at the first record, so a resume may trim the file before) and TensorBoard."""
+
     def __init__(self, run_dir: Path, tensorboard: bool = True):
         self.path = run_dir / "metrics.jsonl"
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = None
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -43,6 +45,8 @@ class MetricsWriter:
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
     def write(self, record: dict) -> None:
+        if self._file is None:
+            self._file = open(self.path, "a", encoding="utf-8")
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -58,7 +62,8 @@ class MetricsWriter:
         return f"val/{key}" if key.startswith("val") else f"train/{key}"
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
 

@@ -1,24 +1,14 @@
-"""Draw a run's curves into one PNG: loss and validation loss, gradient norm, learning rate, tokens/s.
-
-  ultratron report RUN_DIR [--out FILE]     (default: RUN_DIR/report.png)
-"""
+"""Draw a run's curves into one PNG: loss and validation loss, gradient norm, learning rate, tokens/s."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from ultratron.errors import UserError
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
-    parser.add_argument("--out", help="where to write the PNG (default RUN_DIR/report.png)")
+from ultratron.training.metrics import read_metrics
 
 
 def draw_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    from ultratron.training.metrics import read_metrics
-
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     train = [r for r in records if "loss" in r]
@@ -53,7 +43,3 @@ def draw_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     tmp.replace(out)
     return out
 
-
-def run(args) -> int:
-    print(draw_report(args.run_dir, args.out))
-    return 0

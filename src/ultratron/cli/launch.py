@@ -14,12 +14,9 @@ from __future__ import annotations
 import argparse
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
-from ultratron.errors import UserError
-
-DEFAULT_PORT = 29500
+from ultratron.launch.torchrun import slurm_script, torchrun_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,44 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(_accepts_overrides=True)
 
 
-def torchrun_command(nproc_per_node: int, nnodes: int, train_args: list[str], rdzv_endpoint: str | None = None,
-                     max_restarts: int = 0, python: str = sys.executable) -> list[str]:
-    if nproc_per_node < 1 or nnodes < 1:
-        raise UserError(f"--nproc-per-node and --nnodes must be ≥ 1, got {nproc_per_node} and {nnodes}")
-    cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}",
-           f"--max-restarts={max_restarts}"]
-    if nnodes == 1 and rdzv_endpoint is None:
-        cmd.append("--standalone")
-    else:
-        if rdzv_endpoint is None:
-            raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (or --slurm, which finds it)")
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-id=ultratron"]
-    return cmd + ["-m", "ultratron", "train", *train_args]
-
-
-def slurm_script(args, train_args: list[str]) -> str:
-    """A batch script: one task per node, each running torchrun; rendezvous on the first node."""
-    torchrun = torchrun_command(args.nproc_per_node, args.nnodes, train_args, rdzv_endpoint="$HEAD_NODE:$PORT",
-                                max_restarts=args.max_restarts, python="python")
-    # $HEAD_NODE and $PORT must expand at run time, so those words are left unquoted.
-    words = [w if "$HEAD_NODE" in w else shlex.quote(w) for w in torchrun]
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={args.job_name}", f"#SBATCH --nodes={args.nnodes}",
-             "#SBATCH --ntasks-per-node=1", f"#SBATCH --gpus-per-node={args.nproc_per_node}",
-             f"#SBATCH --time={args.time}", "#SBATCH --output=%x-%j.out"]
-    if args.partition:
-        lines.append(f"#SBATCH --partition={args.partition}")
-    lines += ["set -euo pipefail",
-              'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-              f"PORT={DEFAULT_PORT}",
-              "srun --kill-on-bad-exit=1 " + " ".join(words), ""]
-    return "\n".join(lines)
-
-
 def run(args) -> int:
     train_args = [a for a in args.overrides if a != "--"]
     if args.slurm:
         path = Path(args.slurm)
-        path.write_text(slurm_script(args, train_args), encoding="utf-8")
+        path.write_text(slurm_script(args.nproc_per_node, args.nnodes, train_args, job_name=args.job_name,
+                                     time_limit=args.time, partition=args.partition,
+                                     max_restarts=args.max_restarts), encoding="utf-8")
         path.chmod(0o755)
         print(f"wrote {path}; submit it with: sbatch {path}")
         return 0

@@ -325,7 +325,8 @@ def run_scaling(args) -> int:
 # ---- search --------------------------------------------------------------------------------
 
 def run_search(args) -> int:
-    from ultratron.planning.search import SearchSpec, config_toml, search
+    from ultratron.config.layouts import config_toml
+    from ultratron.planning.search import SearchSpec, search
 
     shape = resolve_shape(args)
     acc = hardware.get_accelerator(args.gpu)

@@ -20,9 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ultratron.checkpoint.hf import export_hf
-    from ultratron.serving.loading import load_model
+    from ultratron.checkpoint.inference import load_for_inference
 
-    loaded = load_model(args.checkpoint)
+    loaded = load_for_inference(args.checkpoint)
     out = export_hf(loaded.model, loaded.tokenizer, args.out, args.dtype)
     print(f"exported {loaded.checkpoint_dir} to {out} (Hugging Face Llama, {args.dtype})")
     return 0

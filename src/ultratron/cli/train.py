@@ -10,6 +10,7 @@ optim, data, checkpoint, eval, run), e.g.
 
 Without --data.path the built-in corpus (the Python standard library) is used. The run
 directory receives config.toml, metrics.jsonl, TensorBoard events, train.log and checkpoints/.
+The same command runs under torchrun for any parallel layout.
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ import os
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ultratron.config import Config
+    from ultratron.config.loader import describe_fields
+
     parser.add_argument("--config", help="a TOML config file; --section.field flags override it")
-    parser.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--show-config", action="store_true", help="print the resolved config as TOML and exit")
+    parser.epilog = "config fields (default):\n" + describe_fields(Config)
     parser.set_defaults(_accepts_overrides=True)
 
 

@@ -1,16 +1,16 @@
 """Task evaluation during training, in a separate process, so the training loop never waits.
 
-Every `eval.task_interval` steps the trainer calls `maybe_launch`: the model's weights go into a
-small snapshot directory (hard links to the checkpoint's files when one was just saved, so
-checkpoint pruning cannot pull them away), and `ultratron eval` starts on it as a child process
-at low priority. The loop calls `poll` every step; finished results come back as metric records
-with the step they belong to. If an evaluation is still running when the next one is due, the
+Every `eval.task_interval` steps `after_step` writes the model's weights into a small snapshot
+directory through the checkpoint owner (hard links to the checkpoint's files when one was just
+saved, so checkpoint pruning cannot pull them away), and starts `ultratron eval` on it as a child
+process at low priority. Each later step collects finished results as metric records with the
+step they belong to. If an evaluation is still running when the next one is due, the
 new one is skipped (and counted); a failing evaluator is logged and forgotten.
 
 With `eval.endpoint` set, the child evaluates through that OpenAI-compatible endpoint instead
-(`ultratron eval --endpoint`, with the config's model, key variable, concurrency, timeout,
-retries and prices); no weights are written, since the endpoint serves its own model (a
-reference model, or a server that follows the run). Its results land in the metrics with the
+(`ultratron eval --endpoint`, with flags generated from the config's endpoint settings); no
+weights are written, since the endpoint serves its own model (a reference model, or a server that
+follows the run). Its results land in the metrics with the
 step that launched them, exactly like local ones, and an unreachable or failing endpoint is
 just a failed evaluation: logged, never waited for by the loop.
 """
@@ -25,10 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from ultratron.checkpoint.manager import DONE_MARKER, step_dir_name
-from ultratron.evaluation.runner import flat_metrics
+from ultratron.checkpoint.manager import ModelState, snapshot
+from ultratron.checkpoint.store import step_dir_name
+from ultratron.config import EndpointConfig
+from ultratron.config.loader import settings_from, to_flags
 
 
 class PeriodicEvaluator:
@@ -51,25 +51,23 @@ class PeriodicEvaluator:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def maybe_launch(self, step: int, model, config_toml: str, tokenizer_json: str,
-                     checkpoint: Path | None = None) -> bool:
-        """Start an evaluation of `model` at `step` if one is due and none is running."""
-        if not self.enabled or step % self.interval:
-            return False
+    def _launch(self, step: int, model, files: dict[str, str], checkpoint: Path | None) -> None:
+        """Start an evaluation of `model` at `step`, unless one is still running (then it is skipped)."""
         if self._proc is not None:
             self.skipped.append(step)
             self.log(f"eval: step {step} skipped; the evaluation of step {self._step} is still running")
-            return False
+            return
         e = self.cfg.eval
         out = self.dir / f"{step_dir_name(step)}.json"
         self.dir.mkdir(parents=True, exist_ok=True)
         if e.endpoint:
-            snapshot = None
-            where = ["--endpoint", e.endpoint, *endpoint_arguments(e)]
+            snap = None
+            where = to_flags(settings_from(EndpointConfig, e))
         else:
-            snapshot = self.dir / "snapshots" / step_dir_name(step)
-            self._write_snapshot(snapshot, step, model, config_toml, tokenizer_json, checkpoint)
-            where = ["--checkpoint", str(snapshot)]
+            snap = self.dir / "snapshots" / step_dir_name(step)
+            shutil.rmtree(snap, ignore_errors=True)
+            snapshot(snap, step, files, model=ModelState(model), source=checkpoint)
+            where = ["--checkpoint", str(snap)]
         cmd = [sys.executable, "-m", "ultratron", "eval", *where, "--tasks", e.tasks,
                "--max-examples", str(e.max_examples), "--json", str(out), "--step", str(step),
                "--threads", "1", "--quiet"]
@@ -78,28 +76,10 @@ class PeriodicEvaluator:
         self._proc = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       preexec_fn=lambda: os.nice(10), close_fds=True)
         logfile.close()
-        self._step, self._snapshot = step, snapshot
+        self._step, self._snapshot = step, snap
         self.launched.append(step)
         via = f" on {e.endpoint}" if e.endpoint else ""
         self.log(f"eval: started task evaluation of step {step}{via} (pid {self._proc.pid})")
-        return True
-
-    def _write_snapshot(self, path: Path, step: int, model, config_toml: str, tokenizer_json: str,
-                        checkpoint: Path | None) -> None:
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
-        source = checkpoint / "model.pt" if checkpoint is not None else None
-        if source is not None and source.is_file():
-            try:
-                os.link(source, path / "model.pt")
-            except OSError:
-                shutil.copyfile(source, path / "model.pt")
-        else:
-            state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-            torch.save(state, path / "model.pt")
-        (path / "config.toml").write_text(config_toml, encoding="utf-8")
-        (path / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-        (path / DONE_MARKER).write_text(f"{step}\n")
 
     def poll(self) -> list[dict]:
         """Metric records of an evaluation that has finished since the last call (else [])."""
@@ -115,19 +95,19 @@ class PeriodicEvaluator:
             tail = (self.dir / f"{step_dir_name(step)}.log").read_text(encoding="utf-8", errors="replace")[-400:]
             self.log(f"eval: the evaluation of step {step} failed (exit {code}); training goes on. {tail.strip()}")
             return []
-        results = json.loads(out.read_text(encoding="utf-8"))["tasks"]
-        record = {"step": step, **flat_metrics(results)}
+        record = {"step": step, **json.loads(out.read_text(encoding="utf-8"))["metrics"]}
         shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in record.items() if k != "step")
         self.log(f"eval: step {step}: {shown}")
         return [record]
 
-    def finish(self, timeout: float, trainer=None, last_checkpoint: Path | None = None) -> list[dict]:
+    def finish(self, timeout: float, step: int, model, files: dict[str, str],
+               last_checkpoint: Path | None) -> list[dict]:
         """At the end of training: wait up to `timeout` s for a running evaluation and collect it;
         if the last step's evaluation was skipped because one was running, run it now."""
         records = self._wait(timeout)
-        if trainer is not None and trainer.step in self.skipped:
-            self.skipped.remove(trainer.step)
-            self.after_step(trainer, _Collect(records), last_checkpoint)
+        if step in self.skipped:
+            self.skipped.remove(step)
+            self._launch(step, model, files, last_checkpoint)
             records += self._wait(timeout)
         return records
 
@@ -155,35 +135,13 @@ class PeriodicEvaluator:
         if self._snapshot is not None:
             shutil.rmtree(self._snapshot, ignore_errors=True)
 
-    def after_step(self, trainer, metrics, last_checkpoint: Path | None) -> None:
-        """The trainer's one call per step: record finished results, start a due evaluation."""
+    def after_step(self, step: int, model, files: dict[str, str], last_checkpoint: Path | None) -> list[dict]:
+        """The trainer's one call per step: finished results as records, and a due evaluation started."""
         if not self.enabled:
-            return
-        for record in self.poll():
-            metrics.write(record)
-        step = trainer.step
+            return []
+        records = self.poll()
         if step % self.interval == 0:
-            from ultratron.config import to_toml
-
             fresh = last_checkpoint if last_checkpoint is not None and last_checkpoint.name == step_dir_name(
                 step) else None
-            self.maybe_launch(step, trainer.model, to_toml(trainer.cfg), trainer.tokenizer.to_json(), fresh)
-
-
-def endpoint_arguments(e) -> list[str]:
-    """`ultratron eval` options for the endpoint settings of an EvalConfig."""
-    args = ["--api-key-env", e.api_key_env, "--concurrency", str(e.concurrency), "--timeout", str(e.timeout),
-            "--max-retries", str(e.max_retries), "--price-per-request", str(e.price_per_request),
-            "--price-per-1k-prompt-tokens", str(e.price_per_1k_prompt_tokens),
-            "--price-per-1k-completion-tokens", str(e.price_per_1k_completion_tokens)]
-    return (["--model", e.endpoint_model] if e.endpoint_model else []) + args
-
-
-class _Collect:
-    """Stands in for the metrics writer: keeps records instead of writing them."""
-
-    def __init__(self, records: list[dict]):
-        self.records = records
-
-    def write(self, record: dict) -> None:
-        self.records.append(record)
+            self._launch(step, model, files, fresh)
+        return records

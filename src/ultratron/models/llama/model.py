@@ -205,7 +205,7 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
         """Token ids (batch, seq) → logits (batch, seq, vocab). `cache` (inference only, e.g.
-        `ultratron.serving.kv_cache.KVCache`) supplies each row's positions and keeps keys/values."""
+        `ultratron.inference.kv_cache.KVCache`) supplies each row's positions and keeps keys/values."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.args.max_seq_len}")

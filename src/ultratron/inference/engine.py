@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ultratron.serving.kv_cache import KVCache
+from ultratron.inference.kv_cache import KVCache
 
 
 @dataclass

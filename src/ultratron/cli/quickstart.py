@@ -73,7 +73,7 @@ def run(args) -> int:
                      f"at step {result.steps_done} ({drop:.0%} lower)")
     else:
         lines.append("  validation loss: not measured (the held-out split is shorter than one micro-batch)")
-    print("\n".join(lines))
     if result.sample:
-        print("\nsample:\n" + result.sample)
+        lines.append(f"  sample:      above, and in {result.run_dir / 'train.log'}")
+    print("\n".join(lines))
     return 0

@@ -1,4 +1,4 @@
-"""Autoregressive sampling from a model (temperature and top-k)."""
+"""Autoregressive sampling from a model (temperature and top-k), for short samples during training."""
 
 from __future__ import annotations
 
@@ -7,16 +7,23 @@ import torch
 
 @torch.no_grad()
 def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.8,
-             top_k: int = 50, stop_id: int | None = None, seed: int = 0) -> list[int]:
-    """New token ids after the prompt. Recomputes the full context each step: enough for short
-    samples; the server's generator keeps a KV cache."""
+             top_k: int = 50, stop_id: int | None = None, seed: int = 0, length_multiple: int = 1) -> list[int]:
+    """New token ids after the prompt. Recomputes the full context each step (the server's engine
+    keeps a KV cache). `length_multiple`: the model needs sequence lengths divisible by it (sequence
+    parallel splits the sequence over ranks), so the context is padded on the right, which a
+    causal model's logits at the last real token never see."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    context = model.args.max_seq_len
+    context = model.args.max_seq_len // length_multiple * length_multiple
     out: list[int] = []
     for _ in range(max_new_tokens):
-        logits = model(ids[:, -context:])[0, -1].float()
+        window = ids[:, -context:]
+        length = window.shape[1]
+        padding = -length % length_multiple
+        if padding:
+            window = torch.cat([window, window.new_zeros(1, padding)], dim=1)
+        logits = model(window)[0, length - 1].float()
         if temperature <= 0:
             next_id = int(logits.argmax())
         else:

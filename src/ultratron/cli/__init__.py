@@ -1,8 +1,8 @@
-"""The `ultratron` command.
+"""The `ultratron` command: the top layer. It parses and calls one entry point per verb.
 
-Each subcommand lives in its own module with `add_arguments(parser)` and `run(args) -> int`;
-modules are imported only when their subcommand runs (and for --help), so that torch-free
-commands such as `ultratron plan` start instantly.
+Each subcommand is a module of this package with `add_arguments(parser)` and `run(args) -> int`;
+a module is imported only when its subcommand runs (or for --help), and keeps its own heavy
+imports inside `run`, so that torch-free commands such as `ultratron plan` start instantly.
 """
 
 from __future__ import annotations
@@ -11,17 +11,19 @@ import argparse
 import importlib
 import sys
 
+from ultratron.errors import UserError, format_user_error
+
 # name → (module, one-line help). Modules keep their top-level imports light.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "quickstart": ("ultratron.training.quickstart", "built-in corpus → tokenizer → shards → train → validate → sample"),
-    "train": ("ultratron.training.cli", "train a model: ultratron train [--config FILE] [--section.field VALUE ...]"),
-    "report": ("ultratron.training.report", "draw a run's curves (loss, grad norm, lr, tokens/s) into one PNG"),
-    "plan": ("ultratron.planning.cli", "memory per GPU, compute-optimal scaling, fastest parallel layout"),
-    "data": ("ultratron.data.cli", "data curation pipeline: read, dedup, filter, tokenize, shard"),
-    "launch": ("ultratron.parallel.launch", "ultratron train on N processes via torchrun, or a Slurm script"),
-    "eval": ("ultratron.evaluation.cli", "evaluate a checkpoint or an OpenAI-compatible endpoint on task suites"),
-    "serve": ("ultratron.serving.cli", "serve a checkpoint behind an OpenAI-compatible HTTP API"),
-    "export": ("ultratron.checkpoint.hf_cli", "export a checkpoint: ultratron export hf --checkpoint DIR --out DIR"),
+    "quickstart": ("ultratron.cli.quickstart", "built-in corpus → tokenizer → shards → train → validate → sample"),
+    "train": ("ultratron.cli.train", "train a model: ultratron train [--config FILE] [--section.field VALUE ...]"),
+    "report": ("ultratron.cli.report", "draw a run's curves (loss, grad norm, lr, tokens/s) into one PNG"),
+    "plan": ("ultratron.cli.plan", "memory per GPU, compute-optimal scaling, fastest parallel layout"),
+    "data": ("ultratron.cli.data", "data curation pipeline: read, dedup, filter, tokenize, shard"),
+    "launch": ("ultratron.cli.launch", "ultratron train on N processes via torchrun, or a Slurm script"),
+    "eval": ("ultratron.cli.eval", "evaluate a checkpoint or an OpenAI-compatible endpoint on task suites"),
+    "serve": ("ultratron.cli.serve", "serve a checkpoint behind an OpenAI-compatible HTTP API"),
+    "export": ("ultratron.cli.export", "export a checkpoint: ultratron export hf --checkpoint DIR --out DIR"),
 }
 
 
@@ -35,12 +37,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         if only is not None and name != only:
             sub.add_parser(name, help=help_text, add_help=False)
             continue
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if only is None and err.name and err.name.startswith("ultratron"):
-                continue  # a subcommand whose module is not there yet is simply not listed
-            raise
+        module = importlib.import_module(module_name)
         sp = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(sp)
@@ -59,8 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "_accepts_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
-    from ultratron.errors import UserError, format_user_error
-
     try:
         return int(args._run(args) or 0)
     except UserError as err:

@@ -1,0 +1,75 @@
+"""The model and optimizer as one `Stateful`, keyed by parameter name with global shapes, so that
+`torch.distributed.checkpoint` can cut them again for any other layout (dp2×tp2 → dp4, or one
+process) — the same form in one process and in many.
+
+ZeroRedundancyOptimizer (ZeRO-1) has no DCP support: each rank contributes the AdamW state of
+the parameters it owns, under the names every other layout uses, so those checkpoints reshard too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+# Prefixes that wrappers leave in parameter names (torch.compile, DDP, activation checkpointing).
+WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_checkpoint_wrapped_module.")
+
+
+def clean_param_name(name: str) -> str:
+    """A parameter's name as the plain model knows it, without wrapper prefixes."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _is_zero1(optimizer) -> bool:
+    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
+
+
+def _zero1_owned_state(model: nn.Module, optimizer) -> dict:
+    """{"state": {name: {...}}} for the parameters this rank's ZeRO-1 shard owns (created empty
+    before the first step, so that a load has tensors to fill)."""
+    names = {id(p): clean_param_name(n) for n, p in model.named_parameters(remove_duplicate=True)}
+    local = optimizer.optim
+    out = {}
+    for group in local.param_groups:
+        for param in group["params"]:
+            if param not in local.state:
+                local.state[param] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+            out[names[id(param)]] = local.state[param]
+    return {"state": out}
+
+
+class ModelState(Stateful):
+    """Model weights, and optionally the optimizer state, of any layout. Only the per-parameter
+    optimizer state is loaded: hyperparameters (lr, betas, weight decay) come from this run's config."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        if _is_zero1(self.optimizer):
+            return {"model": get_model_state_dict(self.model),
+                    "optimizer": _zero1_owned_state(self.model, self.optimizer)}
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": {"state": optim_state["state"]}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.optimizer is None or _is_zero1(self.optimizer):
+            set_model_state_dict(self.model, state["model"])  # ZeRO-1: its state was filled in place
+            return
+        # set_state_dict wants the param groups too: this run's own, keyed by name as in the state.
+        _, current = get_state_dict(self.model, self.optimizer)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict={"state": state["optimizer"]["state"],
+                                         "param_groups": current["param_groups"]})

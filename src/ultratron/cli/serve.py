@@ -1,0 +1,36 @@
+"""Serve a checkpoint behind an OpenAI-compatible HTTP API (FastAPI + uvicorn).
+
+  ultratron serve --checkpoint RUN/checkpoints/latest --port 8000 [--api-key KEY]
+
+Clients written for OpenAI's API work unchanged: point them at http://HOST:PORT/v1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ultratron.config.inference import ServeSettings
+from ultratron.config.loader import add_arguments as add_settings
+from ultratron.config.loader import from_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings(parser, ServeSettings)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ultratron.checkpoint.inference import load_for_inference
+    from ultratron.serving.server import Server, ServerLimits, serve
+
+    s: ServeSettings = from_arguments(ServeSettings, args)
+    if s.threads > 0:
+        torch.set_num_threads(s.threads)
+    loaded = load_for_inference(s.checkpoint, s.device)
+    server = Server(loaded.model, loaded.tokenizer, s.model_name, s.api_key or os.environ.get("ULTRATRON_API_KEY"),
+                    ServerLimits(max_body_bytes=s.max_body_bytes, max_batch_rows=s.max_batch))
+    print(f"serving {loaded.checkpoint_dir} as {s.model_name!r} on http://{s.host}:{s.port}/v1", flush=True)
+    serve(server, s.host, s.port)
+    return 0

@@ -1,0 +1,35 @@
+"""Settings of `ultratron eval` and `ultratron serve`: flat dataclasses whose fields become the
+commands' flags (`config.loader.add_arguments`), so no flag is written twice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ultratron.config.loader import option
+from ultratron.config.training import EndpointConfig
+
+
+@dataclass
+class EvalSettings(EndpointConfig):
+    checkpoint: str | None = option(None, "a checkpoint, checkpoints or run directory (local backend)")
+    tasks: str = option("builtin", "comma-separated: builtin, task names, task files")
+    max_examples: int = option(100, "examples per task (0: all)")
+    json: str | None = option(None, "write results here as JSON")
+    details: bool = option(False, "include per-example log-likelihoods and outputs")
+    device: str = option("cpu", "device of the local backend")
+    threads: int = option(0, "torch threads (0: torch's default)")
+    step: int | None = option(None, "training step to record (default: the checkpoint's)")
+    quiet: bool = option(False, "print no table")
+
+
+@dataclass
+class ServeSettings:
+    checkpoint: str = option(help="a checkpoint, checkpoints or run directory")
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(8000, "port to listen on")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (default: $ULTRATRON_API_KEY; none: open)")
+    model_name: str = option("ultratron", "the model id clients pass")
+    device: str = option("cpu", "device to run the model on")
+    max_batch: int = option(32, "most sequences generated together")
+    max_body_bytes: int = option(1 << 20, "largest request body accepted")
+    threads: int = option(0, "torch intra-op threads (0: torch's default)")

@@ -1,0 +1,21 @@
+"""What `ultratron.parallel` needs to know about a model family.
+
+Each family puts its `ParallelPlan` beside its model code (e.g. `models/llama/parallel_plan.py`)
+and lists it in `models/registry.py`; the parallel axes ask `registry.plan_of(model)` and never
+name a model's layers themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    blocks: Callable[[nn.Module], nn.ModuleDict]  # the repeated blocks (FSDP units, recompute, stages)
+    tensor_parallel: Callable[[bool], tuple[dict, dict]]  # sequence parallel? → (root plan, block plan)
+    tie_weights: Callable[[nn.Module], None]  # restore tied parameters after TP replaced them
+

@@ -1,0 +1,62 @@
+"""How a run reports: messages to the console and RUN/train.log, one metrics record per step to
+metrics.jsonl (and TensorBoard), and progress — a tqdm bar on a terminal, plain log lines every
+`training.log_interval` steps otherwise (CI, nohup, Slurm logs), so a log file holds no `\\r` frames.
+Only rank 0 reports; the other ranks' reporter drops everything."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ultratron.training.metrics import MetricsWriter, RunLog
+
+
+class Reporter:
+    def __init__(self, run_dir: Path, *, is_main: bool, tensorboard: bool, progress: bool, log_interval: int,
+                 echo: bool = True):
+        self.active = is_main
+        self.log_interval = log_interval
+        self.use_bar = progress and echo and sys.stderr.isatty()
+        self._log = RunLog(run_dir, echo=echo) if is_main else None
+        self._metrics = MetricsWriter(run_dir, tensorboard=tensorboard) if is_main else None
+        self._bar = None
+
+    def __call__(self, message: str) -> None:
+        """One message line (console and train.log)."""
+        if self._log is not None:
+            self._log(message, self._bar.write if self._bar is not None else None)
+
+    def start(self, first_step: int, last_step: int) -> None:
+        if self.active and self.use_bar and first_step < last_step:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=last_step, initial=first_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def record(self, record: dict) -> None:
+        """A metrics record (a step's, or evaluation results at their step)."""
+        if self._metrics is not None:
+            self._metrics.write(record)
+
+    def step(self, record: dict) -> None:
+        """A training step's record: written, and shown as progress."""
+        self.record(record)
+        if not self.active:
+            return
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
+                                  tok_s=f"{record['tokens_per_sec']:,.0f}", mfu=f"{record['mfu']:.0%}")
+        elif self.log_interval > 0 and record["step"] % self.log_interval == 0:
+            self(f"step {record['step']}: loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3f} "
+                 f"lr {record['lr']:.2e} {record['tokens_per_sec']:,.0f} tok/s mfu {record['mfu']:.1%}")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None

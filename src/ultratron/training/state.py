@@ -1,0 +1,42 @@
+"""The training run's own state as a `Stateful`: the step, the data loader's position and the
+random number generators — what a checkpoint needs besides the model and the optimizer."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class TrainState(Stateful):
+    """The step counter and the loader's position; the RNGs are captured when saved."""
+
+    def __init__(self, loader, config: dict | None = None):
+        self.step = 0
+        self.loader = loader
+        self.config = config or {}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "loader": self.loader.state_dict(), "rng": rng_state(), "config": self.config}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])
