@@ -13,7 +13,7 @@ def test_cpu_peak_is_measured_once_then_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(mfu_module, "measure_cpu_matmul_flops", lambda dtype: calls.append(dtype) or 1.5e11)
     cache = tmp_path / "sub" / "cpu_peak.json"
     first = cpu_peak_flops("fp32", cache_path=cache)
-    second = device_peak_flops(torch.device("cpu"), "float32", cache_path=cache)  # the same dtype, spelled as torch does
+    second = device_peak_flops(torch.device("cpu"), "float32", cache_path=cache)  # spelled as torch does
     assert first[0] == second[0] == 1.5e11
     assert calls == ["fp32"]
     assert "cached" in second[1]

@@ -64,9 +64,14 @@ def test_recompute_gives_the_same_training(tiny_overrides, tmp_path, mode):
 
 
 def test_train_and_report_from_the_command_line(tiny_overrides, tmp_path):
-    result = run_cli("train", *tiny_overrides, "--training.steps", "4", "--eval.interval", "2")
+    # progress on (the default) but output to a pipe, as under CI, nohup or Slurm: plain lines only
+    result = run_cli("train", *tiny_overrides, "--training.steps", "10", "--eval.interval", "5",
+                     "--training.progress", "true", "--training.log_interval", "5")
     assert result.returncode == 0, result.stderr
-    assert "trained to step 4" in result.stdout
+    assert "trained to step 10" in result.stdout
+    assert "\r" not in result.stderr and "\r" not in (tmp_path / "run" / "train.log").read_text()
+    step_lines = [line for line in result.stderr.splitlines() if "] step " in line and " grad_norm " in line]
+    assert [line.split("] step ")[1].split(":")[0] for line in step_lines] == ["5", "10"]
     report = run_cli("report", str(tmp_path / "run"))
     assert report.returncode == 0, report.stderr
     png = tmp_path / "run" / "report.png"

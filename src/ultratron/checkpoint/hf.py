@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ultratron.data.tokenizer import EOS_TOKEN
 from ultratron.errors import ExportError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,8 +80,6 @@ def hf_state_dict(state: dict, args, dtype: torch.dtype = torch.float32) -> dict
 def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "float32") -> Path:
     """Write a Hugging Face Llama directory for `model` (an ultratron Llama) and its tokenizer."""
     from safetensors.torch import save_file
-
-    from ultratron.data.tokenizer import EOS_TOKEN
 
     args = model.args
     check_exportable(args)

@@ -23,6 +23,7 @@ from ultratron.models.presets import PRESETS
 from ultratron.planning import hardware, scaling
 from ultratron.planning.memory import ACTIVATION_MODELS, PRECISIONS, GiB, Layout, MemoryBreakdown, estimate_memory
 from ultratron.planning.params import count_params_of
+from ultratron.planning.rules import shape_problems
 
 SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
 SWEEPABLE = ("dp", "zero", "tp", "pp", "virtual_stages", "cp", "ep", "mbs", "grad_acc", "seq", "recompute")
@@ -115,10 +116,8 @@ def resolve_shape(args) -> SimpleNamespace:
     if missing:
         raise UserError(f"without --model these are needed: {', '.join(missing)}")
     problems = [f"--{n.replace('_', '-')} must be positive, got {values[n]}" for n in SHAPE_FIELDS if values[n] <= 0]
-    if not problems and values["dim"] % values["n_heads"]:
-        problems.append(f"--n-heads {values['n_heads']} does not divide --dim {values['dim']}")
-    if not problems and values["n_heads"] % values["n_kv_heads"]:
-        problems.append(f"--n-kv-heads {values['n_kv_heads']} does not divide --n-heads {values['n_heads']}")
+    if not problems:
+        problems = shape_problems(SimpleNamespace(**values), name=lambda f: "--" + f.split(".")[1].replace("_", "-"))
     if problems:
         raise UserError(problems)
     values["qk_norm"] = bool(getattr(args, "qk_norm", False))

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ultratron.checkpoint.inference import load_for_inference
+from ultratron.inference.engine import SamplingParams, Sequence, run_batch
+
 
 def token_windows(ids: list[int], size: int) -> list[list[int]]:
     """Windows of `size` tokens overlapping by one, so every token but the first is scored once.
@@ -49,8 +52,6 @@ class LocalBackend:
 
     @classmethod
     def from_checkpoint(cls, checkpoint, device: str = "cpu") -> LocalBackend:
-        from ultratron.checkpoint.inference import load_for_inference
-
         loaded = load_for_inference(checkpoint, device)
         backend = cls(loaded.model, loaded.tokenizer)
         backend.step = loaded.step
@@ -116,8 +117,6 @@ class LocalBackend:
         return [(s, n, b) for s, (n, b) in zip(sums, meta, strict=True)]
 
     def generate(self, requests: list[tuple[str, tuple[str, ...], int]]) -> list[str]:
-        from ultratron.inference.engine import SamplingParams, Sequence, run_batch
-
         seqs = []
         for prompt, stop, max_tokens in requests:
             ids = self.tokenizer.encode(prompt)[-(self.context - max_tokens):]

@@ -16,6 +16,7 @@ import random
 import re
 from pathlib import Path
 
+from ultratron.data.sources import BUILTIN_EXCLUDED_DIRS, builtin_corpus_root, held_out, walk_files
 from ultratron.errors import TaskError
 from ultratron.evaluation.tasks import ChoiceExample, GenerationExample, Task, TextExample, load_task_file
 
@@ -35,8 +36,6 @@ _CODE_START = re.compile(r"^\s*(?:[A-Za-z_@]|[)\]}])")  # not a string, comment 
 
 
 def held_out_documents(fraction: float = HELD_OUT_FRACTION) -> list[tuple[str, str]]:
-    from ultratron.data.sources import BUILTIN_EXCLUDED_DIRS, builtin_corpus_root, held_out, walk_files
-
     root = builtin_corpus_root()
     docs = []
     for path in walk_files(root, (".py",), BUILTIN_EXCLUDED_DIRS):

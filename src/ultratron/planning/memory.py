@@ -44,10 +44,11 @@ fp32 tensor per parameter shard for sqrt(v)).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from ultratron.errors import UserError
 from ultratron.planning.params import count_params_of
+from ultratron.planning.rules import layout_problems, short_name
 
 GiB = 1024**3
 SCHEDULES = ("afab", "1f1b", "interleaved")
@@ -159,12 +160,8 @@ def check_layout(shape, layout: Layout) -> list[str]:
         p.append(f"--recompute {layout.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if layout.precision not in PRECISIONS:
         p.append(f"--precision {layout.precision!r} is not one of {', '.join(PRECISIONS)}")
-    if shape.n_heads % layout.tp or shape.n_kv_heads % layout.tp:
-        p.append(f"tp={layout.tp} does not divide n_heads={shape.n_heads} and n_kv_heads={shape.n_kv_heads}")
-    if layout.pp > shape.n_layers:
-        p.append(f"pp={layout.pp} exceeds n_layers={shape.n_layers}")
-    if layout.seq % layout.cp:
-        p.append(f"cp={layout.cp} does not divide the sequence length {layout.seq}")
+    p += layout_problems(shape, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, seq=layout.seq,
+                         name=short_name)
     if layout.pp_schedule == "interleaved":
         if layout.virtual_stages < 2:
             p.append("--pp-schedule interleaved needs --virtual-stages ≥ 2")
@@ -173,8 +170,6 @@ def check_layout(shape, layout: Layout) -> list[str]:
                      f"exceeds n_layers={shape.n_layers}")
     elif layout.virtual_stages != 1:
         p.append(f"--virtual-stages {layout.virtual_stages} needs --pp-schedule interleaved")
-    if layout.ep > 1 and getattr(shape, "n_experts", 0) <= 1:
-        p.append(f"ep={layout.ep} needs a mixture-of-experts model; this model is dense (use ep=1)")
     return p
 
 
@@ -269,11 +264,6 @@ def _stage_params(shape, layout: Layout, stage: str) -> float:
     return params
 
 
-def stage_parameter_count(shape, layout: Layout, stage: str) -> float:
-    """Parameters held (before ZeRO) by one GPU of the given pipeline stage."""
-    return _stage_params(shape, layout, stage)
-
-
 def _bytes_per_param(layout: Layout) -> tuple[int, int, int, int, int]:
     """(param, grad, grad-accumulation buffer, master, optimizer) bytes per parameter."""
     if layout.precision == "fp32":
@@ -358,6 +348,3 @@ def estimate_memory(shape, layout: Layout, activation_model: str = "per-op") -> 
     last = _stage_memory(shape, layout, "last", activation_model)
     return first if first.peak_bytes >= last.peak_bytes else last
 
-
-def with_updates(layout: Layout, **changes) -> Layout:
-    return replace(layout, **changes)

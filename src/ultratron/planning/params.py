@@ -26,10 +26,6 @@ class ParamCounts:
     def total(self) -> int:
         return self.embedding + self.output + self.layers + self.final_norm
 
-    @property
-    def non_embedding(self) -> int:
-        """Parameters outside the embedding and output matrices (the `N` of Kaplan et al.)."""
-        return self.layers + self.final_norm
 
 
 def count_params(

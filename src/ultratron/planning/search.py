@@ -35,6 +35,7 @@ from ultratron.planning.flops import training_flops_per_token
 from ultratron.planning.hardware import Accelerator
 from ultratron.planning.memory import GiB, Layout, MemoryBreakdown, estimate_memory
 from ultratron.planning.params import count_params_of
+from ultratron.planning.rules import layout_problems
 
 SELECTIVE_RECOMPUTE_OVERHEAD = 0.02
 MATMUL_HALF_SIZE = 256  # a matmul dimension of this size reaches half the large-matmul efficiency
@@ -131,7 +132,7 @@ def enumerate_layouts(spec: SearchSpec):
     n, node = spec.n_gpus, spec.gpus_per_node
     sequences = spec.global_batch_tokens // spec.seq
     for tp in _powers_of_two(node):
-        if n % tp or shape.n_heads % tp or shape.n_kv_heads % tp:
+        if n % tp or layout_problems(shape, tp=tp):
             continue
         for cp in _powers_of_two(spec.max_cp):
             if (n // tp) % cp or spec.seq % cp:

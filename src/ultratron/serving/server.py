@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ultratron.data.tokenizer import EOS_TOKEN
 from ultratron.inference.engine import SamplingParams, Sequence, TokenInfo
 from ultratron.serving.batcher import Batcher
 
@@ -358,8 +359,6 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
-        from ultratron.data.tokenizer import EOS_TOKEN
-
         return {"eos_token": EOS_TOKEN, "eos_token_id": server.tokenizer.eos_id, "bos_token": None,
                 "pad_token": EOS_TOKEN, "model_max_length": server.context, "vocab_size": server.vocab_size,
                 "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": "### {Role}\\n{content}\\n\\n"}
