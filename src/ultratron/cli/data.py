@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ultratron.data.pipeline_config import STAGES
+from ultratron.curation.config import STAGES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ultratron.data import pipeline_config
-    from ultratron.data.pipeline import run_pipeline, run_stage
+    from ultratron.curation import config as pipeline_config
+    from ultratron.curation.frame import run_pipeline, run_stage
 
     if not getattr(args, "data_command", None):
         print(__doc__.strip())

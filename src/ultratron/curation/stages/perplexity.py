@@ -20,8 +20,8 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from ultratron.data.pipeline import StageContext, iter_records, write_json
-from ultratron.data.pipeline import run_stage as _run_stage_dir
+from ultratron.curation.frame import StageContext, iter_records, write_json
+from ultratron.curation.frame import run_stage as _run_stage_dir
 
 Scorer = Callable[[list[str]], list[float]]
 

@@ -27,7 +27,7 @@ from collections import Counter
 
 import numpy as np
 
-from ultratron.data.pipeline import StageContext
+from ultratron.curation.frame import StageContext
 
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})  # Gopher's list
 TERMINAL_PUNCT = (".", "!", "?", '"', "'", "”", "’", "。", "！", "？")

@@ -13,9 +13,9 @@ import json
 import shutil
 from pathlib import Path
 
-from ultratron.data.pipeline import StageContext, iter_records
+from ultratron.curation.frame import StageContext, iter_records
+from ultratron.curation.stages.tokenize import TOKENIZER_FILE
 from ultratron.data.sources import held_out
-from ultratron.data.tokenize_stage import TOKENIZER_FILE
 
 SHARD_META = "meta.json"
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from ultratron.data.perplexity import ModelScorer, cutoff, run_with_scorer
-from ultratron.data.pipeline_config import from_dict
+from ultratron.curation.config import from_dict
+from ultratron.curation.stages.perplexity import ModelScorer, cutoff, run_with_scorer
 
 WORDS = ("the and of to with that river mountain garden window letter morning evening village teacher "
          "student market harbor winter summer bridge castle forest meadow").split()

@@ -13,8 +13,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ultratron.data.pipeline import run_pipeline
-from ultratron.data.pipeline_config import from_dict
+from ultratron.curation.config import from_dict
+from ultratron.curation.frame import run_pipeline
 from ultratron.data.shards import ShardSet
 
 WORDS = ("the and of to with that river mountain garden window letter morning evening village teacher student "

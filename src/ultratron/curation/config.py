@@ -117,7 +117,7 @@ class FilterSection:
 
 @dataclass
 class PerplexitySection:
-    checkpoint: str = ""  # model checkpoint directory (see ultratron.data.perplexity.load_scorer)
+    checkpoint: str = ""  # model checkpoint directory (see ultratron.curation.stages.perplexity.load_scorer)
     tokenizer: str = ""  # tokenizer.json of that model; default: the checkpoint's own
     max_perplexity: float = 0.0  # keep documents at or below; 0 disables the absolute threshold
     keep_percentile: float = 0.0  # keep the lowest-perplexity share (0 < p ≤ 100); 0 disables

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ultratron.data.pipeline_config import DataPipelineConfig, from_dict, to_dict
+from ultratron.curation.config import DataPipelineConfig, from_dict, to_dict
 from ultratron.errors import DataError
 
 DONE = "_DONE.json"
@@ -37,15 +37,15 @@ SNIPPET_CHARS = 160
 
 # stage name → module that implements it (imported lazily: the perplexity stage pulls in torch)
 STAGE_MODULES = {
-    "read": "ultratron.data.ingest",
-    "normalize": "ultratron.data.normalize",
-    "exact-dedup": "ultratron.data.dedup",
-    "near-dedup": "ultratron.data.dedup",
-    "substring-dedup": "ultratron.data.substring",
-    "filter": "ultratron.data.filters",
-    "perplexity": "ultratron.data.perplexity",
-    "tokenize": "ultratron.data.tokenize_stage",
-    "shard": "ultratron.data.shard_stage",
+    "read": "ultratron.curation.stages.read",
+    "normalize": "ultratron.curation.stages.normalize",
+    "exact-dedup": "ultratron.curation.stages.near_dedup",
+    "near-dedup": "ultratron.curation.stages.near_dedup",
+    "substring-dedup": "ultratron.curation.stages.substring_dedup",
+    "filter": "ultratron.curation.stages.filters",
+    "perplexity": "ultratron.curation.stages.perplexity",
+    "tokenize": "ultratron.curation.stages.tokenize",
+    "shard": "ultratron.curation.stages.shard",
 }
 
 
@@ -321,7 +321,7 @@ class LocalExecutor(Executor):
 
 def make_executor(cfg: DataPipelineConfig) -> Executor:
     if cfg.pipeline.executor == "ray":
-        from ultratron.data.ray_runner import RayExecutor
+        from ultratron.curation.executors import RayExecutor
 
         return RayExecutor(cfg.pipeline.ray_address, progress=cfg.pipeline.progress)
     return LocalExecutor(cfg.pipeline.workers, cfg.pipeline.progress)
@@ -403,7 +403,7 @@ def stage_dirs(cfg: DataPipelineConfig) -> list[tuple[str, Path]]:
 
 def run_pipeline(cfg: DataPipelineConfig, log: Callable[[str], None] = print) -> dict:
     """Every configured stage in order, resuming finished work; writes the report and decision log."""
-    from ultratron.data.report import write_report
+    from ultratron.curation.report import write_report
 
     out = Path(cfg.pipeline.output)
     out.mkdir(parents=True, exist_ok=True)

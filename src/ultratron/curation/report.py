@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ultratron.data.pipeline import list_parts, stage_dirs, write_json, write_text_atomic
+from ultratron.curation.frame import list_parts, stage_dirs, write_json, write_text_atomic
 
 
 def format_table(summaries: list[dict]) -> str:

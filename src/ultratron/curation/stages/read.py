@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from ultratron.data.pipeline import PartWriter, StageContext, part_done
+from ultratron.curation.frame import PartWriter, StageContext, part_done
 from ultratron.data.sources import BUILTIN_EXCLUDED_DIRS, builtin_corpus_root, walk_files
 
 # An item is (id, record or None, reason or None, raw size in bytes, snippet for the report).

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ultratron.data.pipeline import Executor
+from ultratron.curation.frame import Executor
 
 
 class RayExecutor(Executor):

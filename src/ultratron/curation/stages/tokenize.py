@@ -12,7 +12,7 @@ import functools
 from collections.abc import Iterator
 from pathlib import Path
 
-from ultratron.data.pipeline import StageContext, iter_records, write_json
+from ultratron.curation.frame import StageContext, iter_records, write_json
 
 TOKENIZER_FILE = "tokenizer.json"
 AUDIT_FILE = "audit.json"
@@ -59,7 +59,7 @@ def make_doc_fn(stage, cfg, side):
 
 
 def run_stage(ctx: StageContext) -> dict:
-    from ultratron.data.audit import audit_tokenizer
+    from ultratron.curation.audit import audit_tokenizer
     from ultratron.data.tokenizer import Tokenizer, train_tokenizer
     from ultratron.errors import DataError
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ultratron.data.pipeline import StageContext, iter_records, write_json
+from ultratron.curation.frame import StageContext, iter_records, write_json
 
 _PUNCT = re.compile(r"[^\w\s]+")
 

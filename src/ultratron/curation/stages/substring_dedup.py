@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ultratron.data.pipeline import StageContext, iter_records
+from ultratron.curation.frame import StageContext, iter_records
 
 SEPARATOR = 0xFF
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from ultratron.data.pipeline import StageContext
+from ultratron.curation.frame import StageContext
 
 # C0 controls except \t and \n, DEL, and C1 controls.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")

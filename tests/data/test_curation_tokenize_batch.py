@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import random
 
-from ultratron.data import pipeline
-from ultratron.data.pipeline import run_stage
-from ultratron.data.pipeline_config import from_dict
+from ultratron.curation import frame as pipeline
+from ultratron.curation.config import from_dict
+from ultratron.curation.frame import run_stage
 from ultratron.data.tokenizer import Tokenizer
 
 
