@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from ultratron.curation.config import from_dict
-from ultratron.curation.frame import iter_records, list_parts, run_pipeline
+from ultratron.curation.frame import iter_records, list_parts
+from ultratron.curation.runner import run_pipeline
 
 STOP = ("the of and to a in that is was he for it with as his on be at by had not are but from or have an they "
         "which one you were all her she there would their we him been has when who will no more if out so").split()

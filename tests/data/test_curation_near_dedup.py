@@ -7,7 +7,7 @@ import json
 import random
 
 from ultratron.curation.config import from_dict
-from ultratron.curation.frame import run_stage
+from ultratron.curation.runner import run_stage
 from ultratron.curation.stages.near_dedup import shingles
 
 

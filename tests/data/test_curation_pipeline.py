@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ultratron.curation.config import from_dict
-from ultratron.curation.frame import run_pipeline
+from ultratron.curation.runner import run_pipeline
 from ultratron.data.shards import ShardSet
 
 WORDS = ("the and of to with that river mountain garden window letter morning evening village teacher student "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ultratron.curation.config import from_dict
-from ultratron.curation.frame import run_pipeline
+from ultratron.curation.runner import run_pipeline
 
 pytest.importorskip("ray")
 

@@ -7,7 +7,7 @@ import random
 import string
 
 from ultratron.curation.config import from_dict
-from ultratron.curation.frame import run_stage
+from ultratron.curation.runner import run_stage
 from ultratron.curation.stages.substring_dedup import remove_ranges
 
 

@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ultratron.curation import config as pipeline_config
-    from ultratron.curation.frame import run_pipeline, run_stage
+    from ultratron.curation.runner import run_pipeline, run_stage
 
     if not getattr(args, "data_command", None):
         print(__doc__.strip())

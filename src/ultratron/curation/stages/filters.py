@@ -317,7 +317,7 @@ def apply_filters(text: str, f) -> tuple[str | None, str | None, object]:
     return text, None, None
 
 
-def make_doc_fn(stage, cfg, side):
+def make_doc_fn(cfg, side):
     f = cfg.filter
 
     def fn(record: dict, index: int):
@@ -331,6 +331,6 @@ def make_doc_fn(stage, cfg, side):
     return fn
 
 
-def run_stage(ctx: StageContext) -> dict:
-    ctx.map_parts()
+def run(ctx: StageContext) -> dict:
+    ctx.map_parts(make_doc_fn)
     return {"enabled": list(ctx.cfg.filter.enabled)}
