@@ -4,8 +4,8 @@ parallel == serial, single-stage CLI, and resume after a real kill."""
 from __future__ import annotations
 
 import json
-import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +107,34 @@ def test_parallel_run_matches_serial_run(tmp_path):
     assert final_outputs(tmp_path / "serial") == final_outputs(tmp_path / "parallel")
 
 
+# The fault for the resume test: `ultratron data run` in a process whose part writer SIGKILLs
+# it (a real kill: no cleanup, no exception handler runs) once N parts are finished.
+KILLING_DRIVER = """
+import os
+import signal
+import sys
+
+from ultratron.cli import main
+from ultratron.curation import frame
+
+limit, finished = int(sys.argv[1]), 0
+close = frame.PartWriter.close
+
+
+def close_then_die_at_limit(self, extra=None):
+    global finished
+    stats = close(self, extra)
+    finished += 1
+    if finished >= limit:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return stats
+
+
+frame.PartWriter.close = close_then_die_at_limit
+sys.exit(main(sys.argv[2:]))
+"""
+
+
 def test_resume_after_kill_gives_same_output_without_redoing_work(tmp_path):
     make_corpus(tmp_path / "src")
     cfg_path = tmp_path / "data.toml"
@@ -115,16 +143,18 @@ def test_resume_after_kill_gives_same_output_without_redoing_work(tmp_path):
         lines.append(f"[{section}]")
         lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
     cfg_path.write_text("\n".join(lines) + "\n")
-    cmd = [sys.executable, "-m", "ultratron", "data", "run", "--config", str(cfg_path)]
+    args = ["data", "run", "--config", str(cfg_path)]
+    driver = tmp_path / "kill_after_parts.py"
+    driver.write_text(KILLING_DRIVER)
     # 82 inputs in parts of 20 = 5 parts per stage: the 11th finished part is the first of exact-dedup
-    killed = subprocess.run(cmd, env=os.environ | {"ULTRATRON_DATA_KILL_AFTER_PARTS": "11"}, capture_output=True)
-    assert killed.returncode == -9
+    killed = subprocess.run([sys.executable, str(driver), "11", *args], capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
     out = tmp_path / "out"
     assert (out / "01-normalize" / "_DONE.json").is_file() and not (out / "02-exact-dedup" / "_DONE.json").exists()
     # every file the killed run finished (parts, decision logs, stats, indexes) stays untouched
     before = {p: p.stat().st_mtime_ns for p in out.glob("0*/**/*") if p.is_file()}
     assert (out / "02-exact-dedup" / "_stats" / "part-00000.json") in before
-    resumed = subprocess.run(cmd, capture_output=True, text=True)
+    resumed = subprocess.run([sys.executable, "-m", "ultratron", *args], capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.count("(done earlier)") == 2  # read and normalize
     assert {p: p.stat().st_mtime_ns for p in before} == before

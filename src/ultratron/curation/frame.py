@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -178,27 +177,11 @@ class PartWriter:
         if extra:
             stats |= extra
         write_json(self.out_dir / "_stats" / f"{self.name}.json", stats)
-        _maybe_die_for_test()
         return stats
 
 
 def part_done(out_dir: Path, name: str) -> bool:
     return (out_dir / "_stats" / f"{name}.json").is_file() and (out_dir / f"{name}.jsonl").is_file()
-
-
-_parts_written = 0
-
-
-def _maybe_die_for_test() -> None:
-    """Test hook for the resume test: ULTRATRON_DATA_KILL_AFTER_PARTS=N SIGKILLs this process
-    after its N-th finished part (a real kill: no cleanup, no exception handlers)."""
-    global _parts_written
-    limit = os.environ.get("ULTRATRON_DATA_KILL_AFTER_PARTS")
-    if not limit:
-        return
-    _parts_written += 1
-    if _parts_written >= int(limit):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ---- per-document map over parts --------------------------------------------------------------
