@@ -162,7 +162,7 @@ def test_resume_after_kill_gives_same_output_without_redoing_work(tmp_path):
     assert final_outputs(out) == final_outputs(tmp_path / "clean")
 
 
-def test_single_stage_cli_and_config_errors(tmp_path, capsys):
+def test_single_stage_cli_with_overrides_and_config_errors(tmp_path, capsys):
     from ultratron.cli import main
 
     src = tmp_path / "in.jsonl"
@@ -171,9 +171,23 @@ def test_single_stage_cli_and_config_errors(tmp_path, capsys):
     shown = json.loads(capsys.readouterr().out)
     assert shown["removed"] == {"malformed_jsonl": 1, "empty_after_normalize": 1} and shown["docs_out"] == 1
     record = json.loads((tmp_path / "norm" / "in.jsonl").read_text())
-    assert record == {"id": "a", "text": "Café au lait"}
+    assert record == {"id": "a", "text": "Caf\u00e9 au lait"}  # NFC: é is one code point
+    # a --section.field override reaches the stage: NFD keeps e + combining acute, and the control character still goes
+    assert main(["data", "normalize", "--input", str(src), "--output", str(tmp_path / "nfd"),
+                 "--normalize.form", "NFD", "--workers", "1"]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "nfd" / "in.jsonl").read_text())["text"] == "Cafe\u0301 au lait"
+    # unknown fields: reported before any value is checked, one line each, exit 2
     bad = tmp_path / "bad.toml"
-    bad.write_text('[near_dedup]\nbandz = 3\n[pipeline]\nstages = ["read", "dedup"]\n')
+    bad.write_text('[near_dedup]\nbandz = 3\n')
+    assert main(["data", "run", "--config", str(bad), "--pipeline.wrokers", "2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: unknown config field 'near_dedup.bandz' (did you mean 'bands'?)",
+        "error: unknown config field 'pipeline.wrokers' (did you mean 'workers'?)"]
+    # values: an unknown stage (a choice) and an impossible one, together
+    bad.write_text('[pipeline]\nstages = ["read", "dedup"]\nworkers = -1\n')
     assert main(["data", "run", "--config", str(bad)]) == 2
-    err = capsys.readouterr().err
-    assert "unknown config field 'near_dedup.bandz' (did you mean 'bands'?)" in err and "unknown stage 'dedup'" in err
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith("error: pipeline.stages: 'dedup' is not one of read, normalize, ")
+    assert err[0].endswith("(did you mean 'near-dedup'?)")
+    assert err[1] == "error: pipeline.workers = -1 must be ≥ 0 (0: one per CPU core)"

@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ultratron.curation.config import DataPipelineConfig, to_dict
+from ultratron.config.loader import to_dict
+from ultratron.curation.config import DataPipelineConfig
 from ultratron.curation.executors import Executor, make_executor
 from ultratron.curation.frame import DONE, PartStats, Scorer, StageContext, stage_dirs, write_json
 from ultratron.curation.report import write_report
