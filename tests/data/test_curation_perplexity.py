@@ -64,6 +64,20 @@ def test_percentile_keeps_prose_and_drops_gibberish(tmp_path, scorer):
     assert sorted(d["id"] for d in kept) == sorted(f"prose{i}" for i in range(10))
     assert summary["removed"] == {"perplexity": 10}
     assert all(d["perplexity"] <= summary["cutoff"] for d in kept)
+    assert max(d["perplexity"] for d in kept) == summary["cutoff"]  # the cutoff is the 10th score, kept as is
+
+
+def test_kept_and_removed_scores_are_the_exact_ones_compared(tmp_path):
+    docs = [{"id": str(i), "text": "y" * (i + 1)} for i in range(4)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    cfg = from_dict({"pipeline": {"progress": False}, "perplexity": {"keep_percentile": 50}})
+    summary = run_stage("perplexity", cfg, src, tmp_path / "out", scorer=lambda texts: [len(t) / 3 for t in texts])
+    kept = [json.loads(line) for line in (tmp_path / "out" / "in.jsonl").read_text().splitlines()]
+    assert [d["perplexity"] for d in kept] == [1 / 3, 2 / 3] and summary["cutoff"] == 2 / 3
+    removed = [json.loads(line) for line in (tmp_path / "out" / "_decisions" / "in.jsonl").read_text().splitlines()
+               if json.loads(line)["decision"] == "removed"]
+    assert [d["detail"] for d in removed] == [1.0, 4 / 3]
 
 
 def test_absolute_threshold_with_any_callable(tmp_path):

@@ -94,11 +94,13 @@ def make_doc_fn(cfg, side: tuple[list[float], float]):
     """side: (the part's scores in document order, the cutoff)."""
     scores, limit = side
 
+    # The score is stored exactly as it was compared with the cutoff: a rounded one could lie
+    # above the cutoff for the document at the cutoff itself (JSON keeps a float exactly).
     def fn(record: dict, index: int):
         score = scores[index]
         if score > limit:
-            return None, "perplexity", None, round(score, 3)
-        return {**record, "perplexity": round(score, 3)}, None, None, None
+            return None, "perplexity", None, score
+        return {**record, "perplexity": score}, None, None, None
 
     return fn
 
