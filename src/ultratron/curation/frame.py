@@ -195,7 +195,7 @@ def part_done(out_dir: Path, name: str) -> bool:
 DocResult = tuple[dict | None, str | None, str | None, Any]
 DocFn = Callable[[dict, int], DocResult]
 BatchFn = Callable[[list[dict], int], list[DocResult]]
-FnFactory = Callable[[DataPipelineConfig, Any], Callable]
+FnFactory = Callable[[DataPipelineConfig, Any], DocFn | BatchFn]
 BATCH_DOCS = 256  # documents per call of a batch function
 
 

@@ -1,6 +1,6 @@
 """Stage `filter`: heuristic quality rules, every threshold in `[filter]` of data.toml.
 
-Groups (enable any subset with `filter.enabled`), with their sources (REFERENCES.md):
+Groups (enable any subset with `filter.enabled`), with their sources:
 
 - `gopher_repetition` — Rae et al. 2021 (Gopher, App. A Table A1), as in datatrove's
   GopherRepetitionFilter: duplicate line/paragraph fractions (by count and by characters),

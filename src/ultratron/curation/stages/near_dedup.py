@@ -33,7 +33,7 @@ _PUNCT = re.compile(r"[^\w\s]+")
 # ---- near dedup -----------------------------------------------------------------------------------
 
 def shingle_normalize(text: str) -> list[str]:
-    """Words for MinHash: lowercase, no diacritics, no punctuation (REFERENCES.md, datatrove)."""
+    """Words for MinHash: lowercase, no diacritics, no punctuation (as datatrove normalizes text for MinHash)."""
     text = text.lower()
     if not text.isascii():
         text = "".join(ch for ch in unicodedata.normalize("NFD", text) if not unicodedata.combining(ch))
