@@ -44,8 +44,10 @@ def run(ctx: StageContext) -> dict:
         index = json.loads(Path(path).read_text(encoding="utf-8"))
         drop = {}
         for i, (doc_id, digest) in enumerate(zip(index["ids"], index["digests"], strict=True)):
-            survivor = first.setdefault(digest, doc_id)
-            if survivor != doc_id:
+            survivor = first.get(digest)
+            if survivor is None:  # by position, not by id: two inputs may carry the same id
+                first[digest] = doc_id
+            else:
                 drop[i] = survivor
         sides[part.stem] = drop
     ctx.map_parts(make_doc_fn, sides)
