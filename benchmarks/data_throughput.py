@@ -21,8 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ultratron.data.pipeline import iter_records, list_parts, run_pipeline
-from ultratron.data.pipeline_config import from_dict
+from ultratron.curation.config import from_dict
+from ultratron.curation.frame import iter_records, list_parts
+from ultratron.curation.runner import run_pipeline
 
 STOP = ("the of and to a in that is was he for it with as his on be at by had not are but from or have an they "
         "which one you were all her she there would their we him been has when who will no more if out so").split()
@@ -81,7 +82,7 @@ def synthetic_corpus(path: Path, megabytes: float, seed: int = 0) -> dict[str, i
 
 
 def bench_signatures(texts: list[str], max_mb: float = 5.0) -> float:
-    from ultratron.data.dedup import signatures
+    from ultratron.curation.stages.near_dedup import signatures
 
     sample, size = [], 0
     for text in texts:

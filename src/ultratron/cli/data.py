@@ -1,11 +1,14 @@
-"""Data curation: `ultratron data run --config data.toml`, or one stage at a time.
+"""Data curation: the whole pipeline from data.toml, or one stage at a time.
 
-  ultratron data run --config configs/data.toml
-  ultratron data STAGE --input PATH --output DIR [--config data.toml] [--workers N]
+  ultratron data run [--config data.toml] [--section.field VALUE ...]
+  ultratron data STAGE --input PATH --output DIR [--config data.toml] [--section.field VALUE ...]
 
-STAGE is one of read, normalize, exact-dedup, near-dedup, substring-dedup, filter, perplexity,
-tokenize, shard. Each stage reads JSONL parts (`read` reads raw sources or "builtin") and writes
-JSONL parts plus a decision log; see docs/data.md.
+Every field of data.toml can also be set as --section.field VALUE, e.g. --pipeline.workers 2,
+--read.max_bytes 3000000 or --filter.enabled gopher_repetition,punctuation; overrides win over
+the file. `run` runs pipeline.stages in order, each on the previous one's output, and writes a
+report and a decision log; a rerun resumes finished stages and parts. A single stage reads JSONL
+parts (`read` reads raw sources or "builtin") and writes JSONL parts plus a decision log.
+See docs/data.md.
 """
 
 from __future__ import annotations
@@ -13,42 +16,71 @@ from __future__ import annotations
 import argparse
 import json
 
-from ultratron.data.pipeline_config import STAGES
+RUN_DESCRIPTION = """\
+  ultratron data run [--config data.toml] [--section.field VALUE ...]
+
+Run every stage in pipeline.stages in order, each on the previous one's output, resuming
+finished stages and parts; write report.json, report.md and decisions.jsonl to pipeline.output.
+Every config field below can be set as --section.field VALUE; overrides win over the file."""
+
+STAGE_DESCRIPTION = """\
+Reads --input (JSONL parts, or for `read` a raw source) and writes JSONL parts, a decision log
+and stats to --output; a rerun resumes finished parts. The stage's settings come from --config
+and --section.field VALUE overrides (the config fields below)."""
+
+
+def _epilog() -> str:
+    from ultratron.config.loader import describe_fields
+    from ultratron.curation.config import STAGES, DataPipelineConfig
+
+    stages = "\n".join(f"  {name:<16} {text}" for name, text in STAGES.items())
+    return (f"stages, in pipeline order:\n{stages}\n\n"
+            f"config fields (default), as [section] field = value in data.toml or --section.field VALUE:\n"
+            f"{describe_fields(DataPipelineConfig)}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ultratron.curation.config import STAGES
+
+    epilog = _epilog()
+    parser.epilog = epilog
+    parser.set_defaults(_accepts_overrides=True)
     sub = parser.add_subparsers(dest="data_command", metavar="STAGE")
-    run = sub.add_parser("run", help="every stage in data.toml's pipeline.stages, resuming finished work")
-    run.add_argument("--config", help="data.toml (default: built-in corpus, default stages)")
-    run.add_argument("--workers", type=int, help="override pipeline.workers")
-    run.add_argument("--output", help="override pipeline.output")
-    for stage in STAGES:
-        sp = sub.add_parser(stage, help=f"run the '{stage}' stage alone on JSONL parts")
-        where = "a stage directory or JSONL file"
-        if stage == "read":
-            where = "a raw source: directory, file or 'builtin'"
+    run = sub.add_parser("run", help="every stage in pipeline.stages, resuming finished work",
+                         description=RUN_DESCRIPTION, epilog=epilog,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("--config", help="data.toml (default: the built-in corpus, the default stages)")
+    run.add_argument("--workers", type=int, help="short for --pipeline.workers")
+    run.add_argument("--input", help="short for --pipeline.input")
+    run.add_argument("--output", help="short for --pipeline.output")
+    for stage, text in STAGES.items():
+        sp = sub.add_parser(stage, help=f"run the {stage!r} stage alone", epilog=epilog,
+                            description=f"Stage {stage!r}: {text}.\n\n{STAGE_DESCRIPTION}",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        where = "a raw source: directory, file or 'builtin'" if stage == "read" else "a stage directory or JSONL file"
         sp.add_argument("--input", required=True, help=where)
         sp.add_argument("--output", required=True, help="directory for this stage's parts")
         sp.add_argument("--config", help="data.toml for the stage's settings")
-        sp.add_argument("--workers", type=int, help="override pipeline.workers")
+        sp.add_argument("--workers", type=int, help="short for --pipeline.workers")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ultratron.data import pipeline_config
-    from ultratron.data.pipeline import run_pipeline, run_stage
+    from ultratron.curation.config import load_config
+    from ultratron.curation.runner import run_pipeline, run_stage
 
-    if not getattr(args, "data_command", None):
+    stage = getattr(args, "data_command", None)
+    if not stage:
         print(__doc__.strip())
         return 2
-    cfg = pipeline_config.load(args.config)
-    if args.workers is not None:
-        cfg.pipeline.workers = args.workers
-    if args.data_command == "run":
-        if args.output:
-            cfg.pipeline.output = args.output
-        run_pipeline(cfg)
+    shorthand = ["--pipeline.workers", str(args.workers)] if args.workers is not None else []
+    if stage == "run":
+        shorthand += ["--pipeline.input", args.input] if args.input is not None else []
+        shorthand += ["--pipeline.output", args.output] if args.output is not None else []
+    overrides = shorthand + list(getattr(args, "overrides", []))  # the dotted ones last: they win
+    if stage == "run":
+        run_pipeline(load_config(args.config, overrides))
         return 0
-    summary = run_stage(args.data_command, cfg, args.input, args.output)
+    summary = run_stage(stage, load_config(args.config, overrides, stages=[stage]), args.input, args.output)
     shown = {k: summary[k] for k in ("stage", "docs_in", "docs_out", "bytes_in", "bytes_out", "tokens_out",
                                      "removed", "modified")}
     print(json.dumps(shown, indent=2))

@@ -13,9 +13,10 @@ import json
 import shutil
 from pathlib import Path
 
-from ultratron.data.pipeline import StageContext, iter_records
+from ultratron.curation.frame import StageContext, iter_records
+from ultratron.curation.stages.tokenize import TOKENIZER_FILE
 from ultratron.data.sources import held_out
-from ultratron.data.tokenize_stage import TOKENIZER_FILE
+from ultratron.errors import DataError
 
 SHARD_META = "meta.json"
 
@@ -73,7 +74,7 @@ def _write_token_shards(ctx: StageContext, tokenizer) -> dict:
     return result
 
 
-def make_doc_fn(stage, cfg, side):
+def make_doc_fn(cfg, side):
     fraction = cfg.shard.held_out_fraction
 
     def fn(record: dict, index: int):
@@ -84,9 +85,8 @@ def make_doc_fn(stage, cfg, side):
     return fn
 
 
-def run_stage(ctx: StageContext) -> dict:
+def run(ctx: StageContext) -> dict:
     from ultratron.data.tokenizer import Tokenizer
-    from ultratron.errors import DataError
 
     source = ctx.input if ctx.input.is_dir() else ctx.input.parent
     if not (source / TOKENIZER_FILE).is_file():
@@ -104,7 +104,7 @@ def run_stage(ctx: StageContext) -> dict:
             _write_parquet, [(str(p), str(ctx.out_dir / "parquet" / f"{p.stem}.parquet"),
                               ctx.cfg.shard.held_out_fraction) for p in parts], desc="parquet")
     shards = _write_token_shards(ctx, tokenizer)
-    ctx.map_parts()
+    ctx.map_parts(make_doc_fn)
     counts = {split: {k: meta[k] for k in ("n_documents", "n_tokens", "n_bytes")}
               for split, meta in shards.items()}
     return {"token_shards": counts, "parquet_files": len(parquet_files),

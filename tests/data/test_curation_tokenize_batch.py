@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import random
 
-from ultratron.data import pipeline
-from ultratron.data.pipeline import run_stage
-from ultratron.data.pipeline_config import from_dict
+from ultratron.curation import frame
+from ultratron.curation.config import from_dict
+from ultratron.curation.runner import run_stage
 from ultratron.data.tokenizer import Tokenizer
 
 
 def test_batched_tokenize_matches_single_encoding_and_keeps_order(tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "BATCH_DOCS", 4)  # several batches in a 13-document part
+    monkeypatch.setattr(frame, "BATCH_DOCS", 4)  # several batches in a 13-document part
     rng = random.Random(0)
     words = "the river of a garden café 東京 мир 3.14 {x: y}".split()
     lines = [json.dumps({"id": f"d{i}", "text": " ".join(rng.choice(words) for _ in range(30)), "n": i},

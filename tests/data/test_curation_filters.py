@@ -6,8 +6,15 @@ import random
 
 import pytest
 
-from ultratron.data.filters import apply_filters, c4_clean, fineweb, gopher_quality, gopher_repetition, punctuation
-from ultratron.data.pipeline_config import FilterSection
+from ultratron.curation.config import FilterSection
+from ultratron.curation.stages.filters import (
+    apply_filters,
+    c4_clean,
+    fineweb,
+    gopher_quality,
+    gopher_repetition,
+    punctuation,
+)
 
 F = FilterSection()
 WORDS = ("the and of to with that have be river mountain garden window letter morning evening village teacher "

@@ -1,4 +1,4 @@
-"""The curation pipeline's frame: parts, the JSONL stage interface, executors, resume, the run.
+"""The curation pipeline's frame: parts, the JSONL stage interface, per-part work, resume.
 
 Every stage reads a directory of JSONL *parts* (`part-00000.jsonl`, one JSON object per line
 with at least `id` and `text`; other fields are carried along) and writes a directory of the
@@ -13,14 +13,16 @@ A part is the unit of parallel work and of resume: a rerun skips every part whos
 exists, and every stage whose `_DONE.json` exists. Each file is written under a temporary name
 and renamed. Stages that need the whole corpus (the dedups, tokenizer training, percentiles)
 first build a small index in `_index/` (also per part where possible, also resumable).
+
+A stage is a function of a `StageContext` (see `ultratron.curation.stages`); its per-document
+work is a top-level factory handed to `StageContext.map_parts`, which runs it over every part
+not yet done, on the context's executor.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -28,26 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ultratron.data.pipeline_config import DataPipelineConfig, from_dict, to_dict
+from ultratron.curation.config import DataPipelineConfig
+from ultratron.curation.executors import Executor
 from ultratron.errors import DataError
 
 DONE = "_DONE.json"
 EXAMPLES_PER_REASON = 3
 SNIPPET_CHARS = 160
-
-# stage name → module that implements it (imported lazily: the perplexity stage pulls in torch)
-STAGE_MODULES = {
-    "read": "ultratron.data.ingest",
-    "normalize": "ultratron.data.normalize",
-    "exact-dedup": "ultratron.data.dedup",
-    "near-dedup": "ultratron.data.dedup",
-    "substring-dedup": "ultratron.data.substring",
-    "filter": "ultratron.data.filters",
-    "perplexity": "ultratron.data.perplexity",
-    "tokenize": "ultratron.data.tokenize_stage",
-    "shard": "ultratron.data.shard_stage",
-}
-
 
 # ---- files ----------------------------------------------------------------------------------
 
@@ -188,7 +177,6 @@ class PartWriter:
         if extra:
             stats |= extra
         write_json(self.out_dir / "_stats" / f"{self.name}.json", stats)
-        _maybe_die_for_test()
         return stats
 
 
@@ -196,54 +184,41 @@ def part_done(out_dir: Path, name: str) -> bool:
     return (out_dir / "_stats" / f"{name}.json").is_file() and (out_dir / f"{name}.jsonl").is_file()
 
 
-_parts_written = 0
-
-
-def _maybe_die_for_test() -> None:
-    """Test hook for the resume test: ULTRATRON_DATA_KILL_AFTER_PARTS=N SIGKILLs this process
-    after its N-th finished part (a real kill: no cleanup, no exception handlers)."""
-    global _parts_written
-    limit = os.environ.get("ULTRATRON_DATA_KILL_AFTER_PARTS")
-    if not limit:
-        return
-    _parts_written += 1
-    if _parts_written >= int(limit):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 # ---- per-document map over parts --------------------------------------------------------------
 
-# A document function returns (record or None, reason, cluster, detail): None removes the
-# document for `reason`; a record with a reason is kept but modified. A stage module may also
-# offer `make_batch_fn(stage, cfg, side)`: a function of (records, index of the first) that
-# returns one such result per record, for work that is faster in batches (tokenizing).
+# A document function `fn(record, index in the part)` returns (record or None, reason, cluster,
+# detail): None removes the document for `reason`; a record with a reason is kept but modified.
+# A batch function `fn(records, index of the first)` returns one such result per record, for
+# work that is faster in batches (tokenizing). Stages hand `map_parts` a top-level *factory*
+# `make(cfg, side) -> function`: a top-level function pickles by name, so the task reaches
+# worker processes and Ray workers, and each builds its function there.
 DocResult = tuple[dict | None, str | None, str | None, Any]
-BATCH_DOCS = 256  # documents per batch for stages with a batch function
+DocFn = Callable[[dict, int], DocResult]
+BatchFn = Callable[[list[dict], int], list[DocResult]]
+FnFactory = Callable[[DataPipelineConfig, Any], DocFn | BatchFn]
+BATCH_DOCS = 256  # documents per call of a batch function
 
 
 @dataclass
 class PartTask:
-    stage: str
-    cfg: dict  # the config as plain data, so tasks pickle to processes and Ray workers
+    make_fn: FnFactory
+    batched: bool  # make_fn builds a batch function (else a document function)
+    cfg: DataPipelineConfig
     in_path: str
     out_dir: str
     name: str
     side: Any = None  # per-part data from the stage's global phase (e.g. which documents to drop)
 
 
-def _batch_fn(module, stage: str, cfg: DataPipelineConfig, side: Any) -> Callable[[list[dict], int], list[DocResult]]:
-    if hasattr(module, "make_batch_fn"):
-        return module.make_batch_fn(stage, cfg, side)
-    doc_fn: Callable[[dict, int], DocResult] = module.make_doc_fn(stage, cfg, side)
-    return lambda records, start: [doc_fn(r, start + i) for i, r in enumerate(records)]
-
-
 def process_part(task: PartTask) -> dict:
-    """Run a stage's document function over one part. Top-level, so processes and Ray can call it."""
-    cfg = from_dict(task.cfg)
-    module = importlib.import_module(STAGE_MODULES[task.stage])
-    batch_fn = _batch_fn(module, task.stage, cfg, task.side)
-    batch_size = BATCH_DOCS if hasattr(module, "make_batch_fn") else 1
+    """Run a stage's document or batch function over one part. Top-level, so processes and Ray can call it."""
+    fn = task.make_fn(task.cfg, task.side)
+    if task.batched:
+        batch_fn: BatchFn = fn
+        batch_size = BATCH_DOCS
+    else:
+        batch_fn = lambda records, start: [fn(r, start + i) for i, r in enumerate(records)]
+        batch_size = 1
     writer = PartWriter(Path(task.out_dir), task.name)
     index = 0
     pending: list[tuple[int, dict | None, str | None]] = []  # in input order, bad lines included
@@ -275,59 +250,16 @@ def process_part(task: PartTask) -> dict:
     return writer.close()
 
 
-# ---- executors ----------------------------------------------------------------------------------
-
-class Executor:
-    """Maps a picklable top-level function over tasks, results in task order."""
-
-    def map(self, fn: Callable, tasks: list, desc: str = "") -> list:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-class LocalExecutor(Executor):
-    def __init__(self, workers: int = 1, progress: bool = False):
-        self.workers = workers or os.cpu_count() or 1
-        self.progress = progress
-
-    def map(self, fn: Callable, tasks: list, desc: str = "") -> list:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(tasks), desc=desc, unit="part", disable=not self.progress or not tasks)
-        if self.workers <= 1 or len(tasks) <= 1:
-            results = []
-            for task in tasks:
-                results.append(fn(task))
-                bar.update()
-            bar.close()
-            return results
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        # fork: workers inherit the imported modules, so a part starts in milliseconds. The
-        # driver never starts threads before this point (torch is imported only by the
-        # perplexity stage, which scores in the driver).
-        ctx = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(max_workers=min(self.workers, len(tasks)), mp_context=ctx) as pool:
-            futures = [pool.submit(fn, task) for task in tasks]
-            for fut in futures:
-                fut.add_done_callback(lambda _f: bar.update())
-            results = [f.result() for f in futures]
-        bar.close()
-        return results
-
-
-def make_executor(cfg: DataPipelineConfig) -> Executor:
-    if cfg.pipeline.executor == "ray":
-        from ultratron.data.ray_runner import RayExecutor
-
-        return RayExecutor(cfg.pipeline.ray_address, progress=cfg.pipeline.progress)
-    return LocalExecutor(cfg.pipeline.workers, cfg.pipeline.progress)
-
-
 # ---- stages ----------------------------------------------------------------------------------------
+
+Scorer = Callable[[list[str]], list[float]]  # texts → perplexities (the perplexity stage's model)
+
+
+def stage_dirs(cfg: DataPipelineConfig) -> list[tuple[str, Path]]:
+    """(stage, its output directory) for every configured stage, in order."""
+    out = Path(cfg.pipeline.output)
+    return [(stage, out / f"{i:02d}-{stage}") for i, stage in enumerate(cfg.pipeline.stages)]
+
 
 @dataclass
 class StageContext:
@@ -336,6 +268,7 @@ class StageContext:
     input: Path  # the previous stage's directory (or, for read, the raw source)
     out_dir: Path
     executor: Executor
+    scorer: Scorer | None = None  # the perplexity stage's model; None: load perplexity.checkpoint
 
     @property
     def index_dir(self) -> Path:
@@ -346,79 +279,9 @@ class StageContext:
     def parts(self) -> list[Path]:
         return list_parts(self.input)
 
-    def map_parts(self, sides: dict[str, Any] | None = None) -> None:
-        """Run this stage's document function over every input part not yet done."""
-        cfg = to_dict(self.cfg)
-        tasks = [PartTask(self.stage, cfg, str(p), str(self.out_dir), p.stem, (sides or {}).get(p.stem))
+    def map_parts(self, make_fn: FnFactory, sides: dict[str, Any] | None = None, batched: bool = False) -> None:
+        """Run `make_fn(cfg, side)`'s function over every input part not yet done; `sides` gives
+        each part (by name) its data from the stage's global phase."""
+        tasks = [PartTask(make_fn, batched, self.cfg, str(p), str(self.out_dir), p.stem, (sides or {}).get(p.stem))
                  for p in self.parts() if not part_done(self.out_dir, p.stem)]
         self.executor.map(process_part, tasks, desc=self.stage)
-
-
-def summarize(out_dir: Path) -> dict:
-    """A stage's totals from its parts' stats files."""
-    total = PartStats()
-    seconds = 0.0
-    n_parts = 0
-    for path in sorted((out_dir / "_stats").glob("*.json")):
-        s = json.loads(path.read_text(encoding="utf-8"))
-        n_parts += 1
-        for key in ("docs_in", "docs_out", "bytes_in", "bytes_out", "tokens_out"):
-            setattr(total, key, getattr(total, key) + s[key])
-        total.removed.update(s["removed"])
-        total.modified.update(s["modified"])
-        for reason, items in s["examples"].items():
-            for item in items:
-                total.example(reason, item["id"], item["snippet"], item.get("detail"))
-        seconds += s.get("seconds", 0.0)
-    return total.to_dict() | {"parts": n_parts, "part_seconds": seconds}
-
-
-def run_stage(stage: str, cfg: DataPipelineConfig, input_path: str | Path, out_dir: str | Path,
-              executor: Executor | None = None) -> dict:
-    """Run one stage (resuming any finished parts) and return its summary (also in _DONE.json)."""
-    out_dir = Path(out_dir)
-    done = out_dir / DONE
-    if done.is_file():
-        return json.loads(done.read_text(encoding="utf-8"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    own_executor = executor is None
-    executor = executor or make_executor(cfg)
-    started = time.perf_counter()
-    try:
-        module = importlib.import_module(STAGE_MODULES[stage])
-        ctx = StageContext(stage, cfg, Path(input_path), out_dir, executor)
-        extra = module.run_stage(ctx) or {}
-    finally:
-        if own_executor:
-            executor.close()
-    summary = {"stage": stage} | summarize(out_dir) | extra | {"wall_seconds": time.perf_counter() - started}
-    write_json(done, summary)
-    return summary
-
-
-def stage_dirs(cfg: DataPipelineConfig) -> list[tuple[str, Path]]:
-    out = Path(cfg.pipeline.output)
-    return [(stage, out / f"{i:02d}-{stage}") for i, stage in enumerate(cfg.pipeline.stages)]
-
-
-def run_pipeline(cfg: DataPipelineConfig, log: Callable[[str], None] = print) -> dict:
-    """Every configured stage in order, resuming finished work; writes the report and decision log."""
-    from ultratron.data.report import write_report
-
-    out = Path(cfg.pipeline.output)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "config.json", to_dict(cfg))
-    executor = make_executor(cfg)
-    summaries = []
-    previous: Path | str = cfg.pipeline.input
-    try:
-        for stage, stage_dir in stage_dirs(cfg):
-            resumed = (stage_dir / DONE).is_file()
-            summary = run_stage(stage, cfg, previous, stage_dir, executor)
-            summaries.append(summary)
-            log(f"data: {stage:<16} {summary['docs_in']:>8} → {summary['docs_out']:>8} documents"
-                + ("  (done earlier)" if resumed else f"  {summary['wall_seconds']:.1f}s"))
-            previous = stage_dir
-    finally:
-        executor.close()
-    return write_report(cfg, summaries, log=log)

@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from ultratron.data.perplexity import ModelScorer, cutoff, run_with_scorer
-from ultratron.data.pipeline_config import from_dict
+from ultratron.curation.config import from_dict
+from ultratron.curation.runner import run_stage
+from ultratron.curation.stages.perplexity import ModelScorer, cutoff
 
 WORDS = ("the and of to with that river mountain garden window letter morning evening village teacher "
          "student market harbor winter summer bridge castle forest meadow").split()
@@ -58,11 +59,25 @@ def test_percentile_keeps_prose_and_drops_gibberish(tmp_path, scorer):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(d) + "\n" for d in docs))
     cfg = from_dict({"pipeline": {"progress": False}, "perplexity": {"keep_percentile": 50}})
-    summary = run_with_scorer(cfg, src, tmp_path / "out", scorer)
+    summary = run_stage("perplexity", cfg, src, tmp_path / "out", scorer=scorer)
     kept = [json.loads(line) for line in (tmp_path / "out" / "in.jsonl").read_text().splitlines()]
     assert sorted(d["id"] for d in kept) == sorted(f"prose{i}" for i in range(10))
     assert summary["removed"] == {"perplexity": 10}
     assert all(d["perplexity"] <= summary["cutoff"] for d in kept)
+    assert max(d["perplexity"] for d in kept) == summary["cutoff"]  # the cutoff is the 10th score, kept as is
+
+
+def test_kept_and_removed_scores_are_the_exact_ones_compared(tmp_path):
+    docs = [{"id": str(i), "text": "y" * (i + 1)} for i in range(4)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    cfg = from_dict({"pipeline": {"progress": False}, "perplexity": {"keep_percentile": 50}})
+    summary = run_stage("perplexity", cfg, src, tmp_path / "out", scorer=lambda texts: [len(t) / 3 for t in texts])
+    kept = [json.loads(line) for line in (tmp_path / "out" / "in.jsonl").read_text().splitlines()]
+    assert [d["perplexity"] for d in kept] == [1 / 3, 2 / 3] and summary["cutoff"] == 2 / 3
+    removed = [json.loads(line) for line in (tmp_path / "out" / "_decisions" / "in.jsonl").read_text().splitlines()
+               if json.loads(line)["decision"] == "removed"]
+    assert [d["detail"] for d in removed] == [1.0, 4 / 3]
 
 
 def test_absolute_threshold_with_any_callable(tmp_path):
@@ -70,7 +85,7 @@ def test_absolute_threshold_with_any_callable(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(d) + "\n" for d in docs))
     cfg = from_dict({"pipeline": {"progress": False}, "perplexity": {"max_perplexity": 30.0}})
-    summary = run_with_scorer(cfg, src, tmp_path / "out", lambda texts: [10.0 * len(t) for t in texts])
+    summary = run_stage("perplexity", cfg, src, tmp_path / "out", scorer=lambda texts: [10.0 * len(t) for t in texts])
     kept = [json.loads(line)["id"] for line in (tmp_path / "out" / "in.jsonl").read_text().splitlines()]
     assert kept == ["0", "1", "2"] and summary["removed"] == {"perplexity": 3}
 

@@ -6,9 +6,9 @@ import itertools
 import json
 import random
 
-from ultratron.data.dedup import shingles
-from ultratron.data.pipeline import run_stage
-from ultratron.data.pipeline_config import from_dict
+from ultratron.curation.config import from_dict
+from ultratron.curation.runner import run_stage
+from ultratron.curation.stages.near_dedup import shingles
 
 
 def _vocab(rng: random.Random, n: int) -> list[str]:

@@ -3,7 +3,7 @@
 import random
 
 from ultratron.config import load_config
-from ultratron.data.perplexity import load_scorer
+from ultratron.curation.stages.perplexity import load_scorer
 from ultratron.training.trainer import train
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from ultratron.data.pipeline import run_pipeline
-from ultratron.data.pipeline_config import from_dict
+from ultratron.curation.config import from_dict
+from ultratron.curation.runner import run_pipeline
 
 pytest.importorskip("ray")
 
-from test_data_pipeline import config, final_outputs, make_corpus  # noqa: E402
+from test_curation_pipeline import config, final_outputs, make_corpus  # noqa: E402
 
 
 @pytest.mark.slow

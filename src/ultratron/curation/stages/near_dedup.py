@@ -1,15 +1,14 @@
-"""Stages `exact-dedup` and `near-dedup`.
+"""Stage `near-dedup`: MinHash signatures, LSH banding, one survivor per cluster.
 
-Both run in three phases: (1) per part, in parallel and resumable, a small index (a 128-bit
-hash per document, or a MinHash signature); (2) in the driver, over the whole index, which
-documents are duplicates of which; (3) per part, in parallel, drop them. The survivor of a
-group is always its first document in corpus order (part name, then position), so the result
-does not depend on the number of workers or on the executor.
+Three phases, as in `exact-dedup`: (1) per part, in parallel and resumable, a MinHash
+signature per document; (2) in the driver, over all signatures, which documents are near
+duplicates of which (union-find over band collisions); (3) per part, in parallel, drop them.
+The survivor of a cluster is always its first document in corpus order (part name, then
+position), so the result does not depend on the number of workers or on the executor.
 
-Memory in phase (2): exact dedup keeps one 16-byte digest per distinct document in a dict
-(~100 bytes/doc with Python overhead); near dedup holds the signature matrix, 4·bands·rows
-bytes per document (448 B with the defaults: 1 GB per ~2.3 M documents), plus one uint64 key
-per document per band while that band is grouped.
+Memory in phase (2): the signature matrix, 4·bands·rows bytes per document (448 B with the
+defaults: 1 GB per ~2.3 M documents), plus one uint64 key per document per band while that
+band is grouped.
 
 MinHash library: `rensa` (Rust, MIT, maintained; https://github.com/beowolx/rensa). Measured
 here on the built-in corpus, its `RMinHash` hashes 112 permutations at ~350 MB/s of shingle
@@ -20,7 +19,6 @@ a band key is 8 of them (256 bits) hashed to 64 bits, far from collision at corp
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import unicodedata
@@ -28,53 +26,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ultratron.data.pipeline import StageContext, iter_records, write_json
+from ultratron.curation.frame import StageContext, iter_records, write_json
 
 _PUNCT = re.compile(r"[^\w\s]+")
-
-
-# ---- exact dedup --------------------------------------------------------------------------------
-
-def text_digest(text: str) -> bytes:
-    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
-
-
-def _exact_index(args: tuple[str, str]) -> str:
-    in_path, out_path = args
-    if not Path(out_path).is_file():
-        ids, digests = [], []
-        for _, record, _problem in iter_records(Path(in_path)):
-            if record is not None:
-                ids.append(record["id"])
-                digests.append(text_digest(record["text"]).hex())
-        write_json(Path(out_path), {"ids": ids, "digests": digests})
-    return out_path
-
-
-def _run_exact(ctx: StageContext) -> dict:
-    parts = ctx.parts()
-    tasks = [(str(p), str(ctx.index_dir / f"{p.stem}.json")) for p in parts]
-    index_paths = ctx.executor.map(_exact_index, tasks, desc="exact-dedup index")
-    first: dict[str, str] = {}
-    sides: dict[str, dict[int, str]] = {}
-    groups = 0
-    for part, path in zip(parts, index_paths, strict=True):
-        index = json.loads(Path(path).read_text(encoding="utf-8"))
-        drop = {}
-        for i, (doc_id, digest) in enumerate(zip(index["ids"], index["digests"], strict=True)):
-            survivor = first.setdefault(digest, doc_id)
-            if survivor != doc_id:
-                drop[i] = survivor
-        sides[part.stem] = drop
-        groups += len(drop)
-    ctx.map_parts(sides)
-    return {"distinct_documents": len(first)}
-
 
 # ---- near dedup -----------------------------------------------------------------------------------
 
 def shingle_normalize(text: str) -> list[str]:
-    """Words for MinHash: lowercase, no diacritics, no punctuation (REFERENCES.md, datatrove)."""
+    """Words for MinHash: lowercase, no diacritics, no punctuation (as datatrove normalizes text for MinHash)."""
     text = text.lower()
     if not text.isascii():
         text = "".join(ch for ch in unicodedata.normalize("NFD", text) if not unicodedata.combining(ch))
@@ -154,7 +113,7 @@ def lsh_clusters(sig: np.ndarray, bands: int, rows: int) -> np.ndarray:
     return np.array([find(i) for i in range(n)], dtype=np.int64)
 
 
-def _run_near(ctx: StageContext) -> dict:
+def run(ctx: StageContext) -> dict:
     nd = ctx.cfg.near_dedup
     parts = ctx.parts()
     tasks = [(str(p), str(ctx.index_dir / p.stem), nd.ngram, nd.bands * nd.rows, nd.seed) for p in parts]
@@ -176,24 +135,15 @@ def _run_near(ctx: StageContext) -> dict:
             part, i = owners[g]
             sides[part][i] = (label != g, ids[label])  # (removed?, cluster id = the survivor's id)
     n_clusters = int(np.count_nonzero(sizes > 1))
-    ctx.map_parts(sides)
+    ctx.map_parts(make_doc_fn, sides)
     return {"clusters_with_duplicates": n_clusters, "signature_bytes": int(sig.nbytes),
             "params": {"ngram": nd.ngram, "bands": nd.bands, "rows": nd.rows,
                        "threshold_approx": round((1 / nd.bands) ** (1 / nd.rows), 3)}}
 
 
-# ---- stage entry points ---------------------------------------------------------------------------
-
-def make_doc_fn(stage, cfg, side):
+def make_doc_fn(cfg, side: dict[int, tuple[bool, str]] | None):
+    """side: document index → (removed?, cluster id) for documents in a cluster of ≥ 2."""
     side = side or {}
-    if stage == "exact-dedup":
-        def exact(record: dict, index: int):
-            survivor = side.get(index)
-            if survivor is None:
-                return record, None, None, None
-            return None, "exact_duplicate", survivor, None
-
-        return exact
 
     def near(record: dict, index: int):
         entry = side.get(index)
@@ -203,7 +153,3 @@ def make_doc_fn(stage, cfg, side):
         return (None, "near_duplicate", cluster, None) if removed else (record, None, cluster, None)
 
     return near
-
-
-def run_stage(ctx: StageContext) -> dict:
-    return _run_exact(ctx) if ctx.stage == "exact-dedup" else _run_near(ctx)

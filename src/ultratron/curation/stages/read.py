@@ -13,8 +13,9 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from ultratron.data.pipeline import PartWriter, StageContext, part_done
+from ultratron.curation.frame import PartWriter, StageContext, part_done
 from ultratron.data.sources import BUILTIN_EXCLUDED_DIRS, builtin_corpus_root, walk_files
+from ultratron.errors import DataError
 
 # An item is (id, record or None, reason or None, raw size in bytes, snippet for the report).
 Item = tuple[str, dict | None, str | None, int, str | None]
@@ -116,8 +117,6 @@ def iter_source(source: str, cfg) -> Iterator[Item]:
         return
     root = Path(source)
     if not root.exists():
-        from ultratron.errors import DataError
-
         raise DataError(f"pipeline.input {source!r} does not exist (use 'builtin' for the built-in corpus)")
     extensions = tuple(e.strip() for e in cfg.read.extensions.split(",") if e.strip())
     files = [root] if root.is_file() else walk_files(root, extensions)
@@ -131,7 +130,7 @@ def iter_source(source: str, cfg) -> Iterator[Item]:
             yield from _iter_text_file(path, rel, cfg)
 
 
-def run_stage(ctx: StageContext) -> dict:
+def run(ctx: StageContext) -> dict:
     """Sequential by nature (one stream of sources); cuts it into parts of docs_per_part items."""
     cfg = ctx.cfg
     per_part = cfg.pipeline.docs_per_part
@@ -168,6 +167,3 @@ def run_stage(ctx: StageContext) -> dict:
         PartWriter(ctx.out_dir, "part-00000").close()  # an empty source still yields a (empty) part
     return {"input": str(ctx.input)}
 
-
-def make_doc_fn(stage, cfg, side):  # pragma: no cover - `read` has no per-document map
-    raise NotImplementedError

@@ -12,7 +12,9 @@ import functools
 from collections.abc import Iterator
 from pathlib import Path
 
-from ultratron.data.pipeline import StageContext, iter_records, write_json
+from ultratron.curation.audit import audit_tokenizer
+from ultratron.curation.frame import StageContext, iter_records, write_json
+from ultratron.errors import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
 AUDIT_FILE = "audit.json"
@@ -38,8 +40,9 @@ def _load(path: str):
     return Tokenizer.load(path)
 
 
-def make_batch_fn(stage, cfg, side):
-    """Encode `pipeline.BATCH_DOCS` documents per call to the tokenizer (Rust, threaded)."""
+def make_batch_fn(cfg, side: str):
+    """side: the tokenizer.json. Encodes `frame.BATCH_DOCS` documents per call to the tokenizer
+    (Rust, threaded)."""
     tokenizer = _load(side)
 
     def fn(records: list[dict], start: int):
@@ -49,19 +52,8 @@ def make_batch_fn(stage, cfg, side):
     return fn
 
 
-def make_doc_fn(stage, cfg, side):
-    tokenizer = _load(side)
-
-    def fn(record: dict, index: int):
-        return {**record, "tokens": tokenizer.encode(record["text"])}, None, None, None
-
-    return fn
-
-
-def run_stage(ctx: StageContext) -> dict:
-    from ultratron.data.audit import audit_tokenizer
+def run(ctx: StageContext) -> dict:
     from ultratron.data.tokenizer import Tokenizer, train_tokenizer
-    from ultratron.errors import DataError
 
     t = ctx.cfg.tokenize
     parts = ctx.parts()
@@ -78,7 +70,7 @@ def run_stage(ctx: StageContext) -> dict:
     sample = [text for _, text in zip(range(AUDIT_SAMPLE_DOCS), _texts(parts, 0), strict=False)]
     audit = audit_tokenizer(tokenizer, sample, t.poor_compression_ratio)
     write_json(ctx.out_dir / AUDIT_FILE, audit)
-    ctx.map_parts({p.stem: str(path) for p in parts})
+    ctx.map_parts(make_batch_fn, {p.stem: str(path) for p in parts}, batched=True)
     return {"tokenizer": str(path), "tokenizer_sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
             "audit_warnings": audit["warnings"], "audit_round_trip": audit["all_round_trip"],
             "audit_unknown_tokens": audit["unknown_tokens"]}

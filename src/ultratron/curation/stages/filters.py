@@ -1,6 +1,6 @@
 """Stage `filter`: heuristic quality rules, every threshold in `[filter]` of data.toml.
 
-Groups (enable any subset with `filter.enabled`), with their sources (REFERENCES.md):
+Groups (enable any subset with `filter.enabled`), with their sources:
 
 - `gopher_repetition` — Rae et al. 2021 (Gopher, App. A Table A1), as in datatrove's
   GopherRepetitionFilter: duplicate line/paragraph fractions (by count and by characters),
@@ -27,7 +27,7 @@ from collections import Counter
 
 import numpy as np
 
-from ultratron.data.pipeline import StageContext
+from ultratron.curation.frame import StageContext
 
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})  # Gopher's list
 TERMINAL_PUNCT = (".", "!", "?", '"', "'", "”", "’", "。", "！", "？")
@@ -317,7 +317,7 @@ def apply_filters(text: str, f) -> tuple[str | None, str | None, object]:
     return text, None, None
 
 
-def make_doc_fn(stage, cfg, side):
+def make_doc_fn(cfg, side):
     f = cfg.filter
 
     def fn(record: dict, index: int):
@@ -331,6 +331,6 @@ def make_doc_fn(stage, cfg, side):
     return fn
 
 
-def run_stage(ctx: StageContext) -> dict:
-    ctx.map_parts()
+def run(ctx: StageContext) -> dict:
+    ctx.map_parts(make_doc_fn)
     return {"enabled": list(ctx.cfg.filter.enabled)}

@@ -6,9 +6,9 @@ import json
 import random
 import string
 
-from ultratron.data.pipeline import run_stage
-from ultratron.data.pipeline_config import from_dict
-from ultratron.data.substring import remove_ranges
+from ultratron.curation.config import from_dict
+from ultratron.curation.runner import run_stage
+from ultratron.curation.stages.substring_dedup import remove_ranges
 
 
 def _words(rng: random.Random, n: int) -> str:

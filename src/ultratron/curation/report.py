@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ultratron.data.pipeline import list_parts, stage_dirs, write_json, write_text_atomic
+from ultratron.curation.frame import list_parts, stage_dirs, write_json, write_text_atomic
 
 
 def format_table(summaries: list[dict]) -> str:
@@ -46,7 +46,7 @@ def merge_decisions(cfg, out_path: Path) -> int:
                         out.write(json.dumps({"stage": stage, **entry}, ensure_ascii=False) + "\n")
                         lines += 1
         if dirs:
-            last_stage, last_dir = dirs[-1]
+            _, last_dir = dirs[-1]
             for part in list_parts(last_dir):
                 with open(part, encoding="utf-8") as fh:
                     for line in fh:

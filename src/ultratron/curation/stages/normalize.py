@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from ultratron.data.pipeline import StageContext
+from ultratron.curation.frame import StageContext
 
 # C0 controls except \t and \n, DEL, and C1 controls.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -32,7 +32,7 @@ def normalize_text(text: str, form: str = "NFC", strip_control: bool = True, col
     return text
 
 
-def make_doc_fn(stage, cfg, side):
+def make_doc_fn(cfg, side):
     n = cfg.normalize
 
     def fn(record: dict, index: int):
@@ -45,6 +45,6 @@ def make_doc_fn(stage, cfg, side):
     return fn
 
 
-def run_stage(ctx: StageContext) -> dict:
-    ctx.map_parts()
+def run(ctx: StageContext) -> dict:
+    ctx.map_parts(make_doc_fn)
     return {}

@@ -4,8 +4,8 @@ parallel == serial, single-stage CLI, and resume after a real kill."""
 from __future__ import annotations
 
 import json
-import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +13,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ultratron.data.pipeline import run_pipeline
-from ultratron.data.pipeline_config import from_dict
+from ultratron.curation.config import from_dict
+from ultratron.curation.runner import run_pipeline
 from ultratron.data.shards import ShardSet
 
 WORDS = ("the and of to with that river mountain garden window letter morning evening village teacher student "
@@ -107,6 +107,34 @@ def test_parallel_run_matches_serial_run(tmp_path):
     assert final_outputs(tmp_path / "serial") == final_outputs(tmp_path / "parallel")
 
 
+# The fault for the resume test: `ultratron data run` in a process whose part writer SIGKILLs
+# it (a real kill: no cleanup, no exception handler runs) once N parts are finished.
+KILLING_DRIVER = """
+import os
+import signal
+import sys
+
+from ultratron.cli import main
+from ultratron.curation import frame
+
+limit, finished = int(sys.argv[1]), 0
+close = frame.PartWriter.close
+
+
+def close_then_die_at_limit(self, extra=None):
+    global finished
+    stats = close(self, extra)
+    finished += 1
+    if finished >= limit:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return stats
+
+
+frame.PartWriter.close = close_then_die_at_limit
+sys.exit(main(sys.argv[2:]))
+"""
+
+
 def test_resume_after_kill_gives_same_output_without_redoing_work(tmp_path):
     make_corpus(tmp_path / "src")
     cfg_path = tmp_path / "data.toml"
@@ -115,16 +143,18 @@ def test_resume_after_kill_gives_same_output_without_redoing_work(tmp_path):
         lines.append(f"[{section}]")
         lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
     cfg_path.write_text("\n".join(lines) + "\n")
-    cmd = [sys.executable, "-m", "ultratron", "data", "run", "--config", str(cfg_path)]
+    args = ["data", "run", "--config", str(cfg_path)]
+    driver = tmp_path / "kill_after_parts.py"
+    driver.write_text(KILLING_DRIVER)
     # 82 inputs in parts of 20 = 5 parts per stage: the 11th finished part is the first of exact-dedup
-    killed = subprocess.run(cmd, env=os.environ | {"ULTRATRON_DATA_KILL_AFTER_PARTS": "11"}, capture_output=True)
-    assert killed.returncode == -9
+    killed = subprocess.run([sys.executable, str(driver), "11", *args], capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
     out = tmp_path / "out"
     assert (out / "01-normalize" / "_DONE.json").is_file() and not (out / "02-exact-dedup" / "_DONE.json").exists()
     # every file the killed run finished (parts, decision logs, stats, indexes) stays untouched
     before = {p: p.stat().st_mtime_ns for p in out.glob("0*/**/*") if p.is_file()}
     assert (out / "02-exact-dedup" / "_stats" / "part-00000.json") in before
-    resumed = subprocess.run(cmd, capture_output=True, text=True)
+    resumed = subprocess.run([sys.executable, "-m", "ultratron", *args], capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.count("(done earlier)") == 2  # read and normalize
     assert {p: p.stat().st_mtime_ns for p in before} == before
@@ -132,7 +162,7 @@ def test_resume_after_kill_gives_same_output_without_redoing_work(tmp_path):
     assert final_outputs(out) == final_outputs(tmp_path / "clean")
 
 
-def test_single_stage_cli_and_config_errors(tmp_path, capsys):
+def test_single_stage_cli_with_overrides_and_config_errors(tmp_path, capsys):
     from ultratron.cli import main
 
     src = tmp_path / "in.jsonl"
@@ -141,9 +171,23 @@ def test_single_stage_cli_and_config_errors(tmp_path, capsys):
     shown = json.loads(capsys.readouterr().out)
     assert shown["removed"] == {"malformed_jsonl": 1, "empty_after_normalize": 1} and shown["docs_out"] == 1
     record = json.loads((tmp_path / "norm" / "in.jsonl").read_text())
-    assert record == {"id": "a", "text": "Café au lait"}
+    assert record == {"id": "a", "text": "Caf\u00e9 au lait"}  # NFC: é is one code point
+    # a --section.field override reaches the stage: NFD keeps e + combining acute, and the control character still goes
+    assert main(["data", "normalize", "--input", str(src), "--output", str(tmp_path / "nfd"),
+                 "--normalize.form", "NFD", "--workers", "1"]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "nfd" / "in.jsonl").read_text())["text"] == "Cafe\u0301 au lait"
+    # unknown fields: reported before any value is checked, one line each, exit 2
     bad = tmp_path / "bad.toml"
-    bad.write_text('[near_dedup]\nbandz = 3\n[pipeline]\nstages = ["read", "dedup"]\n')
+    bad.write_text('[near_dedup]\nbandz = 3\n')
+    assert main(["data", "run", "--config", str(bad), "--pipeline.wrokers", "2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: unknown config field 'near_dedup.bandz' (did you mean 'bands'?)",
+        "error: unknown config field 'pipeline.wrokers' (did you mean 'workers'?)"]
+    # values: an unknown stage (a choice) and an impossible one, together
+    bad.write_text('[pipeline]\nstages = ["read", "dedup"]\nworkers = -1\n')
     assert main(["data", "run", "--config", str(bad)]) == 2
-    err = capsys.readouterr().err
-    assert "unknown config field 'near_dedup.bandz' (did you mean 'bands'?)" in err and "unknown stage 'dedup'" in err
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith("error: pipeline.stages: 'dedup' is not one of read, normalize, ")
+    assert err[0].endswith("(did you mean 'near-dedup'?)")
+    assert err[1] == "error: pipeline.workers = -1 must be ≥ 0 (0: one per CPU core)"

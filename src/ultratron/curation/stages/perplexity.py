@@ -1,7 +1,8 @@
 """Stage `perplexity`: score each document with a small reference model, keep the likely ones.
 
-The scorer is any callable `texts -> perplexities` (a `Scorer`), so the stage is tested with a
-tiny model built in the test; `load_scorer` builds one from an ultratron checkpoint (the
+The scorer is any callable `texts -> perplexities` (a `Scorer`), handed to the stage as
+`run_stage(..., scorer=...)`, so the stage is tested with a tiny model built in the test;
+without one, `load_scorer` builds one from `perplexity.checkpoint`, an ultratron checkpoint (the
 trainer's `model.pt` + `config.toml` + `tokenizer.json`, e.g. a quickstart run). Perplexity is
 exp(mean next-token negative log-likelihood) over the first `max_tokens` tokens of a document.
 
@@ -17,13 +18,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
-from pathlib import Path
 
-from ultratron.data.pipeline import StageContext, iter_records, write_json
-from ultratron.data.pipeline import run_stage as _run_stage_dir
-
-Scorer = Callable[[list[str]], list[float]]
+from ultratron.curation.frame import Scorer, StageContext, iter_records, write_json
 
 
 class ModelScorer:
@@ -36,6 +32,8 @@ class ModelScorer:
         self.batch_size = batch_size
 
     def __call__(self, texts: list[str]) -> list[float]:
+        # torch inside functions only: it is heavy (seconds of startup), and the local executor
+        # forks its workers from the driver, which must not have imported torch before then.
         import torch
         import torch.nn.functional as F
 
@@ -59,6 +57,7 @@ class ModelScorer:
 
 def load_scorer(checkpoint: str, tokenizer_path: str = "", max_tokens: int = 512, batch_size: int = 8) -> Scorer:
     """A ModelScorer from an ultratron checkpoint (a step directory, or a run whose latest is meant)."""
+    # imported here, not at the top: it imports torch (see ModelScorer.__call__)
     from ultratron.checkpoint.inference import load_for_inference
     from ultratron.data.tokenizer import Tokenizer
 
@@ -91,35 +90,25 @@ def cutoff(all_scores: list[float], max_perplexity: float, keep_percentile: floa
     return limit
 
 
-def make_doc_fn(stage, cfg, side):
+def make_doc_fn(cfg, side: tuple[list[float], float]):
+    """side: (the part's scores in document order, the cutoff)."""
     scores, limit = side
 
+    # The score is stored exactly as it was compared with the cutoff: a rounded one could lie
+    # above the cutoff for the document at the cutoff itself (JSON keeps a float exactly).
     def fn(record: dict, index: int):
         score = scores[index]
         if score > limit:
-            return None, "perplexity", None, round(score, 3)
-        return {**record, "perplexity": round(score, 3)}, None, None, None
+            return None, "perplexity", None, score
+        return {**record, "perplexity": score}, None, None, None
 
     return fn
 
 
-_SCORER: Scorer | None = None  # set by run_with_scorer for the duration of one stage run
-
-
-def run_stage(ctx: StageContext) -> dict:
+def run(ctx: StageContext) -> dict:
     p = ctx.cfg.perplexity
-    scorer = _SCORER or load_scorer(p.checkpoint, p.tokenizer, p.max_tokens, p.batch_size)
+    scorer = ctx.scorer or load_scorer(p.checkpoint, p.tokenizer, p.max_tokens, p.batch_size)
     scores = _score_parts(ctx, scorer)
     limit = cutoff([s for v in scores.values() for s in v], p.max_perplexity, p.keep_percentile)
-    ctx.map_parts({name: (v, limit) for name, v in scores.items()})
+    ctx.map_parts(make_doc_fn, {name: (v, limit) for name, v in scores.items()})
     return {"cutoff": limit}
-
-
-def run_with_scorer(cfg, input_path: str | Path, out_dir: str | Path, scorer: Scorer) -> dict:
-    """Run the stage with a given scorer (a model built in memory, or any callable)."""
-    global _SCORER
-    _SCORER = scorer
-    try:
-        return _run_stage_dir("perplexity", cfg, input_path, out_dir)
-    finally:
-        _SCORER = None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ultratron.data.pipeline import StageContext, iter_records
+from ultratron.curation.frame import StageContext, iter_records
 
 SEPARATOR = 0xFF
 
@@ -106,7 +106,8 @@ def remove_ranges(text: str, ranges: list[tuple[int, int]]) -> tuple[str, int]:
     return b"".join(pieces).decode("utf-8"), removed
 
 
-def make_doc_fn(stage, cfg, side):
+def make_doc_fn(cfg, side: dict[int, list[tuple[int, int]]] | None):
+    """side: document index → byte ranges to remove."""
     side = side or {}
     min_chars = cfg.substring_dedup.min_doc_chars
 
@@ -122,8 +123,8 @@ def make_doc_fn(stage, cfg, side):
     return fn
 
 
-def run_stage(ctx: StageContext) -> dict:
+def run(ctx: StageContext) -> dict:
     sides, info = find_removals(ctx)
-    ctx.map_parts(sides)
+    ctx.map_parts(make_doc_fn, sides)
     return info
 

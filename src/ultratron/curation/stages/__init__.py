@@ -1,0 +1,36 @@
+"""The curation stages: one module per stage, each with `run(ctx: StageContext) -> dict`.
+
+`RUNNERS` maps a stage name (as `pipeline.stages` and `ultratron data STAGE` spell it) to that
+function. The modules are imported normally, so the dependency is plain to read and to check
+(runner → stages → frame → config); a stage that needs a heavy library (torch, pyarrow, rensa)
+imports it inside the function that uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ultratron.curation.frame import StageContext
+from ultratron.curation.stages import (
+    exact_dedup,
+    filters,
+    near_dedup,
+    normalize,
+    perplexity,
+    read,
+    shard,
+    substring_dedup,
+    tokenize,
+)
+
+RUNNERS: dict[str, Callable[[StageContext], dict]] = {
+    "read": read.run,
+    "normalize": normalize.run,
+    "exact-dedup": exact_dedup.run,
+    "near-dedup": near_dedup.run,
+    "substring-dedup": substring_dedup.run,
+    "filter": filters.run,
+    "perplexity": perplexity.run,
+    "tokenize": tokenize.run,
+    "shard": shard.run,
+}
