@@ -50,10 +50,13 @@ def test_ngram_tables_must_map_lengths_to_fractions():
     cfg.filter.dup_ngram_char_frac = {"5": 1.5}
     assert validate(cfg) == ["filter.top_ngram_char_frac: key 'two' must be an n-gram length ≥ 1, e.g. \"2\"",
                              "filter.dup_ngram_char_frac['5'] = 1.5 must lie in [0, 1]"]
-    with pytest.raises(ConfigError) as err:  # a table cannot come from the command line
-        load_config(overrides=["--filter.top_ngram_char_frac", "2=0.3"])
-    assert err.value.problems == ["filter.top_ngram_char_frac is a table of n-gram length → fraction; set it in "
-                                  "data.toml, e.g. top_ngram_char_frac = { \"2\" = 0.2 }"]
+    # on the command line a table is KEY=NUMBER pairs
+    assert load_config(overrides=["--filter.top_ngram_char_frac", "2=0.3,3=0.25"]).filter.top_ngram_char_frac == {
+        "2": 0.3, "3": 0.25}
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["--filter.top_ngram_char_frac", "2:0.3"])
+    assert err.value.problems == ["filter.top_ngram_char_frac: expected KEY=NUMBER pairs separated by commas, "
+                                  "got '2:0.3'"]
 
 
 def test_a_stage_run_alone_is_checked_for_what_it_needs():

@@ -182,7 +182,7 @@ def test_single_stage_cli_with_overrides_and_config_errors(tmp_path, capsys):
     bad.write_text('[near_dedup]\nbandz = 3\n')
     assert main(["data", "run", "--config", str(bad), "--pipeline.wrokers", "2"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "error: unknown config field 'near_dedup.bandz' (did you mean 'bands'?)",
+        f"error: {bad}: unknown config field 'near_dedup.bandz' (did you mean 'bands'?)",
         "error: unknown config field 'pipeline.wrokers' (did you mean 'workers'?)"]
     # values: an unknown stage (a choice) and an impossible one, together
     bad.write_text('[pipeline]\nstages = ["read", "dedup"]\nworkers = -1\n')

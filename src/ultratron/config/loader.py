@@ -86,6 +86,17 @@ def _from_string(text: str, base: Any, optional: bool, where: str) -> Any:
             raise ValueError(f"{where}: expected a number, got {text!r}") from None
     if typing.get_origin(base) is list:
         return [item.strip() for item in text.split(",") if item.strip()]
+    if typing.get_origin(base) is dict:  # KEY=NUMBER,KEY=NUMBER
+        table = {}
+        for item in (i.strip() for i in text.split(",") if i.strip()):
+            key, eq, number = item.partition("=")
+            try:
+                table[key.strip()] = float(number)
+            except ValueError:
+                raise ValueError(f"{where}: expected KEY=NUMBER pairs separated by commas, got {text!r}") from None
+            if not eq or not key.strip():
+                raise ValueError(f"{where}: expected KEY=NUMBER pairs separated by commas, got {text!r}")
+        return table
     return text
 
 
@@ -129,19 +140,21 @@ def coerce(value: Any, tp: Any, where: str, from_string: bool = False) -> Any:
 
 # ---- sections: TOML tables and --section.field overrides --------------------------------------
 
-def set_field(cfg: Any, section: str, key: str, value: Any, problems: list[str], from_string: bool = False) -> None:
+def set_field(cfg: Any, section: str, key: str, value: Any, problems: list[str], from_string: bool = False,
+              prefix: str = "") -> None:
+    """Set `section.key`; an unknown name or a bad value adds one line (after `prefix`) to `problems`."""
     sections = sections_of(cfg)
     if section not in sections:
-        problems.append(f"unknown config section {section!r}{did_you_mean(section, list(sections))}")
+        problems.append(f"{prefix}unknown config section {section!r}{did_you_mean(section, list(sections))}")
         return
     hints = typing.get_type_hints(sections[section])
     if key not in hints:
-        problems.append(f"unknown config field '{section}.{key}'{did_you_mean(key, list(hints))}")
+        problems.append(f"{prefix}unknown config field '{section}.{key}'{did_you_mean(key, list(hints))}")
         return
     try:
         setattr(getattr(cfg, section), key, coerce(value, hints[key], f"{section}.{key}", from_string))
     except ValueError as err:
-        problems.append(str(err))
+        problems.append(f"{prefix}{err}")
 
 
 def apply_tables(cfg: Any, data: dict[str, Any], problems: list[str], source: str = "") -> None:
@@ -152,7 +165,7 @@ def apply_tables(cfg: Any, data: dict[str, Any], problems: list[str], source: st
             problems.append(f"{prefix}'{section}' must be a [section] table, got a value")
             continue
         for key, value in table.items():
-            set_field(cfg, section.replace("-", "_"), key, value, problems)
+            set_field(cfg, section.replace("-", "_"), key, value, problems, prefix=prefix)
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:

@@ -181,9 +181,6 @@ def from_dict(data: dict[str, Any]) -> DataPipelineConfig:
 
 
 def _ngram_table_problems(name: str, table: dict[str, float]) -> list[str]:
-    if not isinstance(table, dict):  # the loader passes a command-line value for a table through as text
-        return [f"{name} is a table of n-gram length → fraction; set it in data.toml, e.g. "
-                f"{name.split('.')[1]} = {{ \"2\" = 0.2 }}"]
     problems = []
     for n, limit in table.items():
         if not (n.isdigit() and int(n) >= 1):

@@ -1,8 +1,9 @@
 """Accelerators the planner knows: dense peak FLOP/s, memory and link bandwidths, each with a source.
 
 Peaks are *dense* tensor-core figures. Vendor datasheets headline the 2:4 structured-sparsity
-number, which is twice the dense one; dividing by it halves every MFU (a common bug, see
-REFERENCES.md). Memory is the capacity the driver reports (GiB), not the marketing "GB".
+number, which is twice the dense one; dividing by it halves every MFU (a common bug, see the
+Ultra-Scale Playbook, Hugging Face 2025). Memory is the capacity the driver reports (GiB), not the
+marketing "GB".
 Bandwidths are per GPU and per direction: `intra_node_bw` over NVLink / Infinity Fabric / PCIe,
 `inter_node_bw` over the network (one NIC per GPU, as in the reference systems named).
 
