@@ -6,30 +6,54 @@ import pytest
 import torch
 
 from conftest import run_cli
+from ultratron.config import load_config
+from ultratron.data.prepare import prepare_data
+from ultratron.data.shards import ShardSet
+from ultratron.data.tokenizer import train_tokenizer
 from ultratron.errors import TaskError
 from ultratron.evaluation.backends import LocalBackend
-from ultratron.evaluation.builtin import builtin_suite, resolve_tasks
+from ultratron.evaluation.builtin import HELD_OUT_FRACTION, builtin_suite, held_out_documents, resolve_tasks
 from ultratron.evaluation.runner import evaluate
 from ultratron.evaluation.tasks import load_task_file
 from ultratron.models.llama import Llama
 
 
-def test_builtin_suite_is_deterministic_and_held_out():
-    from ultratron.data.sources import held_out
-
+def test_builtin_suite_is_deterministic():
     a, b = builtin_suite(), builtin_suite.__wrapped__()
     assert [t.name for t in a] == ["builtin_bpb", "builtin_next_line", "builtin_identifier_cloze",
                                    "builtin_arithmetic"]
     assert all(len(t.examples) >= 30 for t in a)
     assert [e.__dict__ for t in a for e in t.examples] == [e.__dict__ for t in b for e in t.examples]
-    from ultratron.evaluation.builtin import held_out_documents
-
-    assert all(held_out(doc_id, 0.05) for doc_id, _ in held_out_documents())
     for ex in a[1].examples:
         assert len(ex.choices) == 4 and len(set(ex.choices)) == 4
     q = a[3].examples[0]
     x, op, y, _ = q.prompt.splitlines()[-1].split()
     assert int(q.target) == (int(x) + int(y) if op == "+" else int(x) - int(y))
+
+
+def _shard_documents(root, tokenizer) -> list[str]:
+    shards = ShardSet.open(root)
+    texts = []
+    for i, tokens in enumerate(shards.tokens):
+        starts = [*shards.document_starts(i).tolist(), len(tokens)]
+        texts += [tokenizer.decode(tokens[a:b - 1].tolist()) for a, b in zip(starts, starts[1:])]  # drop the EOS
+    return texts
+
+
+def test_training_never_sees_a_document_of_the_suite(tmp_path):
+    """What the trainer actually trains on — the training shards prepare_data writes for the built-in
+    corpus, decoded back to text — shares no document with the suite; and the held-out split it
+    validates on holds exactly the suite's documents."""
+    tokenizer = train_tokenizer(["def f(x):\n    return x + 1\n" * 20], vocab_size=300)  # round-trips any text
+    tokenizer.save(tmp_path / "tokenizer.json")
+    cfg = load_config(None, ["--data.tokenizer", str(tmp_path / "tokenizer.json"),
+                             "--data.held_out_fraction", str(HELD_OUT_FRACTION)])
+    prepared = prepare_data(cfg.data, cfg.model.vocab_size, tmp_path / "data", log=lambda message: None)
+    training = set(_shard_documents(prepared.train_dir, prepared.tokenizer))
+    suite = {text for _, text in held_out_documents()}
+    assert len(training) > 500 and len(suite) >= 20
+    assert not training & suite
+    assert set(_shard_documents(prepared.val_dir, prepared.tokenizer)) == suite
 
 
 def test_trained_checkpoint_beats_an_untrained_model(trained_checkpoint):
