@@ -71,3 +71,24 @@ def test_damaged_or_missing_checkpoint_gives_a_clear_error(tmp_path):
         read_checkpoint(path, ModelState(torch.nn.Linear(3, 3, bias=False)))
     with pytest.raises(CheckpointError, match="does not exist"):
         read_checkpoint(tmp_path / "missing", ModelState(model))
+
+
+def test_a_snapshot_written_from_a_model_loads_for_inference(tmp_path):
+    """The periodic evaluator's weights-only snapshot, written from the live model, is what the
+    evaluator process reads back."""
+    from conftest import TINY
+    from ultratron.checkpoint.inference import load_for_inference
+    from ultratron.checkpoint.manager import snapshot
+    from ultratron.config import load_config, to_toml
+    from ultratron.data.tokenizer import train_tokenizer
+    from ultratron.models.llama import build_model
+
+    cfg = load_config(None, TINY)
+    model = build_model(cfg.model)
+    tokenizer = train_tokenizer(["def f(x):\n    return x\n" * 10], vocab_size=300)
+    dest = snapshot(tmp_path / "snap", 7, {"config.toml": to_toml(cfg), "tokenizer.json": tokenizer.to_json()},
+                    model=ModelState(model))
+    loaded = load_for_inference(dest)
+    assert loaded.step == 7 and not list(tmp_path.glob(".tmp-*"))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[name], tensor), name

@@ -98,3 +98,17 @@ def test_example_configs_load():
     assert tiny.grad_accum_steps == 1 and tiny.model.vocab_size == 4096
     big = load_config(root / "llama3-8b-8gpu.toml")
     assert big.grad_accum_steps == 16 and big.parallel.zero == 3 and big.model.dim == 4096
+
+
+def test_show_config_round_trips_through_a_file(tmp_path):
+    """What --show-config prints is a config file that reproduces the same config, and prints itself again."""
+    flags = ["--training.steps", "7", "--optim.lr", "0.01", "--model.n_layers", "3", "--data.path", "a b/c.jsonl",
+             "--eval.endpoint", "http://x:1/v1", "--parallel.zero", "2", "--run.dir", str(tmp_path / "run")]
+    shown = run_cli("train", "--show-config", *flags)
+    assert shown.returncode == 0, shown.stderr
+    path = tmp_path / "shown.toml"
+    path.write_text(shown.stdout)
+    assert load_config(path) == load_config(None, flags)
+    again = run_cli("train", "--config", str(path), "--show-config")
+    assert again.returncode == 0 and again.stdout == shown.stdout
+    assert not (tmp_path / "run").exists()  # showing the config starts nothing

@@ -1,12 +1,17 @@
 """A short real training run: what lands in the run directory, and what the user sees."""
 
 import json
+import math
+import statistics
 
 import pytest
+import torch
 
 from conftest import run_cli
 from ultratron.config import load_config
-from ultratron.training.trainer import train
+from ultratron.data.loader import TokenLoader
+from ultratron.training.metrics import read_metrics
+from ultratron.training.trainer import Trainer, train
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu"}
 
@@ -36,22 +41,72 @@ def test_run_directory_contents_and_metrics(tiny_overrides, tmp_path):
     assert result.sample and result.sample.startswith("def")
 
 
-def test_gradient_clipping_logs_the_norm_before_clipping(tiny_overrides, tmp_path):
-    cfg = load_config(None, tiny_overrides + ["--training.steps", "3", "--eval.interval", "0",
-                                              "--training.grad_clip", "0.01"])
-    result = train(cfg, echo=False)
-    from ultratron.training.metrics import read_metrics
+def _gradients_applied(trainer: Trainer) -> tuple[list[torch.Tensor], dict]:
+    """One train_step; returns the gradients the optimizer stepped with, and the step's record."""
+    seen = {}
+    step = trainer.optimizer.step
 
-    norms = [r["grad_norm"] for r in read_metrics(result.run_dir)]
-    assert min(norms) > 0.1  # well above the clip threshold: the logged norm is pre-clip
+    def capture(*args, **kwargs):
+        seen["grads"] = [p.grad.detach().clone() for p in trainer.model.parameters()]
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capture
+    record = trainer.train_step()
+    return seen["grads"], record
 
 
-def test_bf16_tracks_fp32(tiny_overrides, tmp_path):
-    base = tiny_overrides + ["--training.steps", "5", "--eval.interval", "0"]
-    a = train(load_config(None, base + ["--run.dir", str(tmp_path / "a")]), echo=False)
-    b = train(load_config(None, base + ["--run.dir", str(tmp_path / "b"), "--training.precision", "bf16"]),
-              echo=False)
-    assert abs(a.final_loss - b.final_loss) < 0.05
+def test_clipping_scales_the_update_and_logs_the_norm_before_it(tiny_overrides, tmp_path):
+    base = tiny_overrides + ["--training.steps", "1", "--eval.interval", "0"]
+    limit = 0.05
+    runs = {}
+    for clip in (0.0, limit):
+        cfg = load_config(None, base + ["--training.grad_clip", str(clip), "--run.dir", str(tmp_path / str(clip))])
+        runs[clip] = _gradients_applied(Trainer(cfg, echo=False))
+    (raw, unclipped), (clipped, record) = runs[0.0], runs[limit]
+    norm = record["grad_norm"]
+    assert norm == pytest.approx(unclipped["grad_norm"], rel=1e-6) and norm > 10 * limit  # logged before clipping
+    assert math.sqrt(sum(float(g.pow(2).sum()) for g in clipped)) == pytest.approx(limit, rel=1e-4)
+    for before, after in zip(raw, clipped, strict=True):
+        torch.testing.assert_close(after, before * (limit / norm), rtol=1e-4, atol=1e-10)
+
+
+def test_bf16_tracks_fp32_step_by_step(tiny_overrides, tmp_path):
+    """bf16 autocast with fp32 master weights: over 30 steps each loss within 1e-3 (relative) of the
+    fp32 run's (measured: at most 1.6e-4), and the gradient norms agree to 1e-2 in the median (measured
+    4e-4; single steps differ more, up to 9% once, as rounding shifts which batch elements dominate)."""
+    base = tiny_overrides + ["--training.steps", "30", "--eval.interval", "0"]
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        run = tmp_path / precision
+        train(load_config(None, base + ["--run.dir", str(run), "--training.precision", precision]), echo=False)
+        runs[precision] = [r for r in read_metrics(run) if "loss" in r]
+    pairs = list(zip(runs["fp32"], runs["bf16"], strict=True))
+    assert len(pairs) == 30
+    assert any(a["loss"] != b["loss"] for a, b in pairs)  # bf16 really computed in bf16
+    assert max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in pairs) < 1e-3
+    assert statistics.median(abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] for a, b in pairs) < 1e-2
+    assert runs["bf16"][-1]["loss"] < runs["bf16"][0]["loss"] - 0.5  # and it trained
+
+
+def test_z_loss_pulls_the_softmax_normaliser_towards_one(tiny_overrides, tmp_path):
+    """PaLM's z-loss adds z · mean(log Z²): the logged loss (plain cross-entropy) starts equal, the
+    gradients differ from the first step, and after 30 steps log Z² on held-out text is clearly smaller
+    (measured: 24.9 with z = 0.1 against 39.7 without), at little cost in cross-entropy (5.48 vs 5.41)."""
+    base = tiny_overrides + ["--training.steps", "30", "--eval.interval", "0"]
+    out = {}
+    for z in (0.0, 0.1):
+        trainer = Trainer(load_config(None, base + ["--training.z_loss", str(z), "--run.dir", str(tmp_path / str(z))]),
+                          echo=False)
+        trainer.fit()
+        inputs, _ = TokenLoader(trainer.validator.shards, seq_len=64, micro_batch_size=4, seed=0).next_batch()
+        with torch.no_grad():
+            log_z = torch.logsumexp(trainer.model.eval()(inputs).float(), dim=-1)
+        out[z] = ([r for r in read_metrics(trainer.run_dir) if "loss" in r], float(log_z.pow(2).mean()))
+    (plain, plain_z2), (with_z, with_z2) = out[0.0], out[0.1]
+    assert plain[0]["loss"] == pytest.approx(with_z[0]["loss"], rel=1e-6)  # z-loss is not in the logged loss
+    assert abs(plain[0]["grad_norm"] - with_z[0]["grad_norm"]) > 1e-3  # but it is in the gradients
+    assert with_z2 < 0.8 * plain_z2
+    assert with_z[-1]["loss"] < plain[-1]["loss"] * 1.05
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])

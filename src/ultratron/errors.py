@@ -34,6 +34,10 @@ class ExportError(UserError):
     """A model that cannot be written in the requested format."""
 
 
+class EndpointError(UserError):
+    """An OpenAI-compatible endpoint that refuses, fails or cannot be reached (after the retries)."""
+
+
 class DeviceError(UserError):
     """A requested device (e.g. CUDA) that this machine does not have."""
 

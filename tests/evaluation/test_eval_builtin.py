@@ -36,7 +36,8 @@ def _shard_documents(root, tokenizer) -> list[str]:
     texts = []
     for i, tokens in enumerate(shards.tokens):
         starts = [*shards.document_starts(i).tolist(), len(tokens)]
-        texts += [tokenizer.decode(tokens[a:b - 1].tolist()) for a, b in zip(starts, starts[1:])]  # drop the EOS
+        ends = starts[1:]
+        texts += [tokenizer.decode(tokens[a:b - 1].tolist()) for a, b in zip(starts, ends, strict=False)]  # no EOS
     return texts
 
 

@@ -1,6 +1,10 @@
 """`ultratron eval --endpoint` against our own server agrees with `--checkpoint`."""
 
+import http.server
 import json
+import threading
+import urllib.error
+import urllib.request
 
 from conftest import run_cli
 
@@ -30,3 +34,71 @@ def test_endpoint_and_checkpoint_agree(served, trained_checkpoint, tmp_path, mon
     usage = theirs["usage"]
     assert usage["requests"] >= (25 * 4 * 2) // 8 and usage["failed_requests"] == 0
     assert usage["cost"] == round(usage["requests"] * 0.01 + usage["prompt_tokens"] / 1000 * 0.5, 6)
+
+
+class _Flaky(http.server.BaseHTTPRequestHandler):
+    """Forwards to the real server, but answers the first `failures` completion requests with 503."""
+
+    upstream = ""
+    failures = 0
+    seen: list[int] = []
+
+    def _forward(self, body: bytes | None) -> None:
+        if self.path.startswith("/v1/completions") and type(self).failures > 0:
+            type(self).failures -= 1
+            type(self).seen.append(503)  # what completion requests got, in order
+            self.send_response(503)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"error": {"message": "overloaded, try again"}}')
+            return
+        request = urllib.request.Request(self.upstream + self.path, data=body, method=self.command,
+                                         headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
+        try:
+            response = urllib.request.urlopen(request, timeout=60)
+        except urllib.error.HTTPError as err:  # the server's own 4xx answers pass through as they are
+            response = err
+        with response:
+            payload = response.read()
+            if self.path.startswith("/v1/completions"):
+                type(self).seen.append(response.status)
+            self.send_response(response.status)
+            self.send_header("Content-Type", response.headers.get("Content-Type", "application/json"))
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self._forward(None)
+
+    def do_POST(self):  # noqa: N802
+        self._forward(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+    def log_message(self, *args):
+        pass
+
+
+def test_endpoint_retries_a_failing_server_and_says_so_when_it_gives_up(served, tmp_path, monkeypatch):
+    url, key = served
+    monkeypatch.setenv("ULTRATRON_TEST_KEY", key)
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    _Flaky.upstream, flaky = url, f"http://127.0.0.1:{proxy.server_address[1]}/v1"
+    args = ["eval", "--endpoint", flaky, "--model", "ultratron", "--api-key-env", "ULTRATRON_TEST_KEY",
+            "--tasks", "builtin_next_line", "--max-examples", "5"]
+    try:
+        _Flaky.failures, _Flaky.seen = 2, []
+        retried = run_cli(*args, "--max-retries", "3", "--json", str(tmp_path / "retried.json"))
+        assert retried.returncode == 0, retried.stderr
+        assert _Flaky.seen[:2] == [503, 503] and 200 in _Flaky.seen[2:]  # two refusals, then through
+        direct = run_cli(*args[:2], url + "/v1", *args[3:], "--json", str(tmp_path / "direct.json"))
+        assert direct.returncode == 0, direct.stderr
+        results = [json.loads((tmp_path / f"{n}.json").read_text())["tasks"] for n in ("retried", "direct")]
+        assert results[0]["builtin_next_line"]["acc"] == results[1]["builtin_next_line"]["acc"]
+        _Flaky.failures = 10**6
+        gave_up = run_cli(*args, "--max-retries", "1")
+        assert gave_up.returncode == 2 and "Traceback" not in gave_up.stderr
+        assert gave_up.stderr.strip().startswith(f"error: endpoint {flaky}: InternalServerError")
+        assert gave_up.stderr.strip().endswith("(after up to 1 retries)")
+    finally:
+        proxy.shutdown()

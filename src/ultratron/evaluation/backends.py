@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ultratron.checkpoint.inference import load_for_inference
+from ultratron.errors import EndpointError
 from ultratron.inference.engine import SamplingParams, Sequence, run_batch
 
 
@@ -169,11 +170,12 @@ class EndpointBackend:
         base = base_url.rstrip("/")
         self.client = openai.OpenAI(base_url=base if base.endswith("/v1") else base + "/v1",
                                     api_key=api_key or "EMPTY", timeout=timeout, max_retries=max_retries)
-        self.model = model or self.client.models.list().data[0].id
+        self.max_retries = max_retries
+        self.base_url = base
+        self.model = model or self._failing_clearly(lambda: self.client.models.list().data[0].id)
         self.concurrency, self.prompts_per_request = concurrency, prompts_per_request
         self.generation_api = generation_api
         self.usage = usage or UsageCounter()
-        self.base_url = base
 
     @classmethod
     def from_config(cls, e) -> EndpointBackend:
@@ -189,10 +191,20 @@ class EndpointBackend:
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             return list(pool.map(fn, items))
 
+    def _failing_clearly(self, request):
+        """Run a request; when the client has given up (after its retries), one line that says why."""
+        import openai
+
+        try:
+            return request()
+        except openai.APIError as err:
+            raise EndpointError(f"endpoint {self.base_url}: {type(err).__name__}: {str(err).splitlines()[0]} "
+                                f"(after up to {self.max_retries} retries)") from None
+
     def _call(self, create, **kwargs):
         try:
-            response = create(model=self.model, **kwargs)
-        except Exception:
+            response = self._failing_clearly(lambda: create(model=self.model, **kwargs))
+        except EndpointError:
             with self.usage._lock:
                 self.usage.failed_requests += 1
             raise
