@@ -7,6 +7,9 @@ import urllib.error
 import urllib.request
 
 from conftest import run_cli
+from ultratron.evaluation.backends import LocalBackend
+from ultratron.evaluation.builtin import resolve_tasks
+from ultratron.serving.server import chat_prompt
 
 
 def test_endpoint_and_checkpoint_agree(served, trained_checkpoint, tmp_path, monkeypatch):
@@ -102,3 +105,31 @@ def test_endpoint_retries_a_failing_server_and_says_so_when_it_gives_up(served, 
         assert gave_up.stderr.strip().endswith("(after up to 1 retries)")
     finally:
         proxy.shutdown()
+
+
+def test_generation_through_completions_and_chat_equals_the_checkpoint(served, trained_checkpoint, tmp_path,
+                                                                      monkeypatch):
+    """The generation task (greedy, exact match): through /v1/completions the outputs and score equal a
+    local evaluation of the checkpoint; through /v1/chat/completions they equal the checkpoint's greedy
+    continuation of the same prompt in the server's chat template (a chat API always templates)."""
+    url, key = served
+    monkeypatch.setenv("ULTRATRON_TEST_KEY", key)
+    common = ["--tasks", "builtin_arithmetic", "--max-examples", "12", "--details"]
+    local = run_cli("eval", "--checkpoint", str(trained_checkpoint), *common, "--json", str(tmp_path / "local.json"),
+                    "--threads", "1")
+    assert local.returncode == 0, local.stderr
+    got = {}
+    for api in ("completions", "chat"):
+        out = tmp_path / f"{api}.json"
+        done = run_cli("eval", "--endpoint", url + "/v1", "--model", "ultratron", "--api-key-env", "ULTRATRON_TEST_KEY",
+                       "--generation-api", api, *common, "--json", str(out))
+        assert done.returncode == 0, done.stderr
+        got[api] = json.loads(out.read_text())["tasks"]["builtin_arithmetic"]
+    expected = json.loads((tmp_path / "local.json").read_text())["tasks"]["builtin_arithmetic"]
+    assert len(expected["outputs"]) == 12 and any(o.strip() for o in expected["outputs"])  # it generated text
+    assert got["completions"]["outputs"] == expected["outputs"]
+    assert got["completions"]["exact_match"] == expected["exact_match"]
+    examples = resolve_tasks("builtin_arithmetic")[0].examples[:12]
+    templated = LocalBackend.from_checkpoint(trained_checkpoint).generate(
+        [(chat_prompt([{"role": "user", "content": ex.prompt}]), ex.stop, ex.max_tokens) for ex in examples])
+    assert got["chat"]["outputs"] == templated
