@@ -34,6 +34,7 @@ from ultratron.training.mfu import MfuMeter
 from ultratron.training.optim import build_optimizer, lr_at, set_lr
 from ultratron.training.periodic_eval import PeriodicEvaluator
 from ultratron.training.progress import Reporter
+from ultratron.training.stability import StabilityGuard
 from ultratron.training.state import TrainState
 from ultratron.training.step import GradAccumStep
 from ultratron.training.validation import Validator
@@ -90,6 +91,7 @@ class Trainer:
                                    eval_loss=self.strategy.eval_loss)
         self.checkpoints = CheckpointPolicy(cfg, self.run_dir, self.dims.is_main,
                                             ModelState(self.model, self.optimizer), self.state, self.files, self.log)
+        self.guard = StabilityGuard(cfg, self.checkpoints, self.train_loader, self.log)
         counts = count_params_of(cfg.model)
         self.n_params = counts.total
         self.flops_per_token = training_flops_per_token(counts, vocab_size=cfg.model.vocab_size, dim=cfg.model.dim,
@@ -119,7 +121,8 @@ class Trainer:
         self.log.start(self.step, stop_at)
         try:
             while self.step < stop_at:
-                record = self.train_step()
+                if self.guard.after_step(record := self.train_step()):
+                    continue  # rolled back to an earlier checkpoint, past the data that caused a spike
                 losses.append(record["loss"])
                 if self.validator.due(self.step, at_end=self.step == t.steps) and (new := self._validate()) is not None:
                     val = record["val_loss"] = new
@@ -132,6 +135,7 @@ class Trainer:
                 self.log.record(result)
             sample = self.sample() if self.step == t.steps and t.sample_tokens > 0 else None
         finally:
+            self.checkpoints.close()
             self.periodic.close()
             self.log.close()
         return TrainResult(self.run_dir, self.step, losses[0] if losses else None, losses[-1] if losses else None,
@@ -145,16 +149,16 @@ class Trainer:
         loss = self.strategy.forward_backward(self.train_loader.next_batch, cfg.grad_accum_steps)
         max_norm = cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf
         grad_norm = float(clip_grad_norm(self.model.parameters(), max_norm))
-        self.optimizer.step()
+        skipped = self.guard.skip_update(self.step + 1, loss, grad_norm)  # NaN/Inf: no update
+        if not skipped:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {self.step}; lower optim.lr or enable training.grad_clip")
         elapsed = time.perf_counter() - start
         tokens_per_sec = cfg.training.batch_tokens / elapsed
         return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                 "tokens": self.step * cfg.training.batch_tokens, "tokens_per_sec": tokens_per_sec,
-                "step_time": elapsed, "mfu": self.mfu(tokens_per_sec)}
+                "step_time": elapsed, "mfu": self.mfu(tokens_per_sec)} | ({"skipped": 1} if skipped else {})
 
     def _validate(self, record_alone: bool = False) -> float | None:
         """The validation loss, logged (at step 0 also written as a metrics record of its own)."""
