@@ -25,7 +25,8 @@ def save(checkpointer, step):
     model = torch.nn.Linear(2, 2, bias=False)
     with torch.no_grad():
         model.weight.fill_(float(step))
-    return checkpointer.save(step, ModelState(model), Counter(step), {"config.toml": "", "tokenizer.json": "{}"}).result()
+    files = {"config.toml": "", "tokenizer.json": "{}"}
+    return checkpointer.save(step, ModelState(model), Counter(step), files).result()
 
 
 def test_latest_pointer_retention_and_a_round_trip(tmp_path):

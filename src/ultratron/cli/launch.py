@@ -23,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc-per-node", type=int, required=True, help="processes per node (GPUs per node)")
     parser.add_argument("--nnodes", type=int, default=1, help="number of nodes")
     parser.add_argument("--rdzv-endpoint", default=None, help="HOST[:PORT] of the rendezvous (multi-node)")
-    parser.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of the whole group")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the whole group up to N times after any rank fails; each restart resumes from "
+                             "the newest verified checkpoint (adds --checkpoint.resume auto unless given)")
     parser.add_argument("--slurm", metavar="FILE", help="write a Slurm batch script to FILE instead of running")
     parser.add_argument("--job-name", default="ultratron")
     parser.add_argument("--time", default="01:00:00", help="Slurm time limit")
@@ -34,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     train_args = [a for a in args.overrides if a != "--"]
+    if args.max_restarts > 0 and not any(a.startswith("--checkpoint.resume") for a in train_args):
+        train_args += ["--checkpoint.resume", "auto"]  # a restarted group must continue, not refuse
     if args.slurm:
         path = Path(args.slurm)
         path.write_text(slurm_script(args.nproc_per_node, args.nnodes, train_args, job_name=args.job_name,

@@ -30,6 +30,7 @@ from ultratron.parallel.parallelize import parallelize
 from ultratron.planning.flops import training_flops_per_token
 from ultratron.planning.params import count_params_of
 from ultratron.training.checkpointing import CheckpointPolicy
+from ultratron.training.health import HealthMonitor
 from ultratron.training.mfu import MfuMeter
 from ultratron.training.optim import build_optimizer, lr_at, set_lr
 from ultratron.training.periodic_eval import PeriodicEvaluator
@@ -72,6 +73,8 @@ class Trainer:
         if t.threads > 0:
             torch.set_num_threads(t.threads)
         self.device = self.dims.init_distributed(pick_device(t.device))
+        self.health = HealthMonitor(cfg, self.dims, self.device, self.run_dir, self.log)
+        self.health.before_start(step=0)  # a failing GPU stops the run before any data is read
         torch.manual_seed(t.seed)
 
         data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "data"
@@ -128,6 +131,7 @@ class Trainer:
                     val = record["val_loss"] = new
                 self.log.step(record)
                 ckpt = self.checkpoints.after_step(self.step, stop_at)
+                self.health.after_step(self.step)
                 for result in self.periodic.after_step(self.step, self.model, self.files(), ckpt):
                     self.log.record(result)
             for result in self.periodic.finish(self.cfg.eval.final_wait, self.step, self.model, self.files(),
@@ -176,6 +180,9 @@ class Trainer:
                  f"batch {t.batch_tokens:,} tokens = {cfg.grad_accum_steps} × {t.micro_batch_size} × {t.seq_len}{dp}; "
                  f"device {self.device}; precision {t.precision}")
         self.log(f"mfu: peak {self.mfu.peak / 1e12:.3g} TFLOP/s ({self.mfu.source})")
+        if self.dims.restart_count:  # torchrun restarted the whole group after a failure
+            self.log(f"launch: restart {self.dims.restart_count} of this job; resumed at step {self.step}")
+            self.log.record({"step": self.step, "restarts": self.dims.restart_count})
 
     @torch.no_grad()
     def sample(self, prompt: str = "def") -> str:
