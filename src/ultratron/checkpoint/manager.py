@@ -23,7 +23,7 @@ import shutil
 import threading
 import warnings
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -98,8 +98,9 @@ class SaveOutcome:
 class PendingSave:
     """A save that may still be writing. `wait()` (every rank, at the same point) returns its outcome."""
 
-    def __init__(self, step: int, final: Location, future: Future, group=None):
+    def __init__(self, step: int, final: Location, future: Future, group=None, refused: bool = False):
         self.step, self.final, self._future, self._group = step, final, future, group
+        self.refused = refused  # failed before writing anything (known on every rank at once)
         self._outcome: SaveOutcome | None = None
 
     def done(self) -> bool:
@@ -149,18 +150,25 @@ def write_checkpoint(final: Location, step: int, model: ModelState, train_state:
     tmp = root.staging_for(final, tag)
     state = {"app": model.state_dict()}
     needed = needed or _local_bytes(state) * (dist.get_world_size() if dist.is_initialized() else 1)
-    early = space_problem(storage, None, needed) if _is_main() else None  # refuse before writing a byte
-    if dist.is_initialized():
+    early = None
+    if _is_main():  # refuse before writing a byte when the disk is too full; then make the directory
+        early = space_problem(storage, None, needed)
+        try:
+            if early is None:
+                root.begin(final, tag)
+        except Exception as err:  # an object store that is down, a directory that cannot be made
+            failure = _failure(storage, err, needed, final)
+            early = (isinstance(failure, CheckpointStorageError), str(failure))
+        early = (True, early) if isinstance(early, str) else early
+    if dist.is_initialized():  # every rank learns whether the save starts (also a barrier)
         verdict = [early]
         dist.broadcast_object_list(verdict, src=0, group=group)
         early = verdict[0]
     future: Future = Future()
     if early is not None:
-        future.set_exception(CheckpointStorageError(early))
-        return PendingSave(step, final, future, group)
-    if _is_main():
-        root.begin(final, tag)
-    _barrier(group)
+        fatal, message = early
+        future.set_exception(CheckpointStorageError(message) if fatal else CheckpointError(message))
+        return PendingSave(step, final, future, group, refused=True)
     extra: dict[str, bytes] = {}
     if _is_main():
         if train_state is not None:
@@ -184,7 +192,8 @@ def write_checkpoint(final: Location, step: int, model: ModelState, train_state:
             return final
         except (Exception, CheckpointException) as err:  # DCP raises a BaseException per failed rank
             if _is_main():
-                root.abandon(tmp)
+                with suppress(Exception):  # the storage may be unreachable now; cleaned at the next start
+                    root.abandon(tmp)
             raise _failure(storage, err, needed, final) from None
 
     def settle(upload) -> None:
@@ -192,6 +201,8 @@ def write_checkpoint(final: Location, step: int, model: ModelState, train_state:
             future.set_result(finish(upload))
         except CheckpointError as err:
             future.set_exception(err)
+        except BaseException as err:  # noqa: B036 (whatever happens, the future resolves: no one waits forever)
+            future.set_exception(CheckpointError(f"saving {final} failed: {type(err).__name__}: {err}"))
 
     if blocking:
         with _one_process_is_intended():

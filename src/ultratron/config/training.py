@@ -123,10 +123,11 @@ class StabilityConfig:
     skip_nonfinite: bool = option(True, "a step whose loss or gradient norm is NaN/Inf updates nothing (counted); "
                                         "false: stop with an error")
     max_skips_in_a_row: int = option(5, "more non-finite steps in a row than this roll back like a spike")
-    window: int = option(50, "recent steps the running median and MAD of loss and grad norm are taken over")
+    window: int = option(20, "recent steps over which the loss noise and the grad-norm median are measured")
     min_steps: int = option(20, "steps of history before spikes are judged")
-    loss_mad: float = option(6.0, "a loss above median + K × MAD of the window is a spike; 0 disables")
-    loss_min_rise: float = option(0.05, "... and above the median by at least this fraction")
+    loss_mad: float = option(6.0, "a loss above its recent level (median of the last 5 steps) + K × the noise "
+                                  "(MAD of the window's step-to-step changes) is a spike; 0 disables")
+    loss_min_rise: float = option(0.05, "... and above that level by at least this fraction")
     grad_factor: float = option(10.0, "a grad norm above FACTOR × its running median is a spike; 0 disables")
     max_rollbacks: int = option(3, "spikes roll back to the last good checkpoint and skip the data since; after "
                                    "this many, training stops with a report; 0: spikes are only logged")

@@ -83,8 +83,8 @@ class CheckpointPolicy:
         if not ((self.interval > 0 and step % self.interval == 0) or step == stop_at):
             return None
         self._collect(final=False)
-        self.checkpointer.save(step, self.model_state, self.train_state, self.files())
-        if step != stop_at and self.checkpointer.asynchronous:
+        pending = self.checkpointer.save(step, self.model_state, self.train_state, self.files())
+        if step != stop_at and self.checkpointer.asynchronous and not pending.refused:
             return None
         outcome = self._collect(final=step == stop_at)
         return outcome.location if outcome is not None and outcome.error is None else None

@@ -3,8 +3,11 @@ spike rolls the run back to the last good checkpoint and skips the data that cau
 
 - Non-finite loss or gradient norm → the optimizer step is skipped (the batch is consumed, the
   step counted as `skipped`). More than `max_skips_in_a_row` in a row is treated as a spike.
-- Spike: the loss exceeds the running median + K·MAD of the last `window` steps (and the median
-  by at least `loss_min_rise`), or the gradient norm exceeds `grad_factor` × its running median.
+- Spike: the loss exceeds its recent level (the median of the last five good steps) by more
+  than K × the noise (the median absolute deviation of the step-to-step changes over the last
+  `window` steps), and by at least `loss_min_rise` of the level; or the gradient norm exceeds
+  `grad_factor` × its running median. Measuring the noise on the changes, not on the losses
+  themselves, keeps early training's steady fall from passing for noise.
   The run loads the newest verified checkpoint older than the spike, and the data loader is set
   to where it stood after the spike, so the window of batches between the checkpoint and the
   spike is never trained on again. This is PaLM's recipe (Chowdhery et al. 2022, §5.1: restart
@@ -22,14 +25,24 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from itertools import pairwise
 
 from ultratron.errors import TrainingError
+
+RECENT = 5  # steps whose median is the loss's current level
 
 
 def median_and_mad(values: list[float]) -> tuple[float, float]:
     """The median and the median absolute deviation (unscaled) of `values`."""
     median = statistics.median(values)
     return median, statistics.median(abs(v - median) for v in values)
+
+
+def loss_threshold(losses: list[float], k: float, min_rise: float) -> tuple[float, float, float]:
+    """(threshold, level, noise) for the next loss, from the good losses before it (at least 2)."""
+    level = statistics.median(losses[-RECENT:])
+    _, noise = median_and_mad([b - a for a, b in pairwise(losses)])
+    return level + max(k * noise, min_rise * abs(level)), level, noise
 
 
 class StabilityGuard:
@@ -65,13 +78,12 @@ class StabilityGuard:
                 return f"{self.skips_in_a_row} non-finite steps in a row"
             return None
         loss, grad_norm = record["loss"], record["grad_norm"]
-        if len(self.history) >= max(1, self.s.min_steps):
-            losses = [h[1] for h in self.history]
-            median, mad = median_and_mad(losses)
-            threshold = median + max(self.s.loss_mad * mad, self.s.loss_min_rise * abs(median))
+        if len(self.history) >= max(2, self.s.min_steps):
+            threshold, level, noise = loss_threshold([h[1] for h in self.history], self.s.loss_mad,
+                                                     self.s.loss_min_rise)
             if self.s.loss_mad > 0 and loss > threshold:
-                return (f"loss {loss:.4f} above the running median {median:.4f} + {self.s.loss_mad:g} × MAD "
-                        f"{mad:.4f} (threshold {threshold:.4f})")
+                return (f"loss {loss:.4f} above its recent level {level:.4f} + {self.s.loss_mad:g} × the noise "
+                        f"{noise:.4f} (threshold {threshold:.4f})")
             grad_median = statistics.median(h[2] for h in self.history)
             if self.s.grad_factor > 0 and grad_norm > self.s.grad_factor * grad_median:
                 return (f"gradient norm {grad_norm:.3f} above {self.s.grad_factor:g} × its running median "
