@@ -59,8 +59,7 @@ class Storage:
             # A few attempts, not botocore's default of minutes of retries: a failed save is
             # retried at the next checkpoint interval anyway.
             opts: dict = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
-                                            "retries": {"max_attempts": 2, "mode": "standard"}},
-                          "retries": 2}
+                                            "retries": {"max_attempts": 2, "mode": "standard"}}}
             if self.endpoint:
                 opts["endpoint_url"] = self.endpoint
             return opts
