@@ -120,7 +120,9 @@ class CheckpointPolicy:
         return self.train_state.step
 
     def close(self) -> None:
-        """Training ended early (an error): let a save in flight finish, without any collective."""
+        """At the end: a save still in flight (training ended early, by an error) is let finish,
+        without any collective since other ranks may be gone; then the staging buffers are freed."""
         outcome = self.checkpointer.abandon_wait()
         if outcome is not None and outcome.error is None:
             self.log(f"checkpoint: saved step {outcome.step} to {outcome.location}")
+        self.checkpointer.close()
