@@ -86,6 +86,14 @@ def checkpoint_group():
     return dist.new_group(backend="gloo") if dist.is_initialized() else None
 
 
+def _is_sharded(state) -> bool:
+    if isinstance(state, dict):
+        return any(_is_sharded(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return any(_is_sharded(v) for v in state)
+    return hasattr(state, "to_local")
+
+
 def _local_bytes(state) -> int:
     """Bytes of the tensors this rank holds in a state dict (a DTensor counts its local shard)."""
     if isinstance(state, dict):
@@ -161,7 +169,10 @@ def write_checkpoint(final: Location, step: int, model: ModelState, train_state:
     tag = "sharded" if dist.is_initialized() else str(os.getpid())
     tmp = root.staging_for(final, tag)
     state = {"app": model.state_dict()}
-    needed = needed or _local_bytes(state) * (dist.get_world_size() if dist.is_initialized() else 1)
+    # the expected size, before a previous checkpoint tells it: replicated tensors are written once,
+    # sharded ones (DTensor) by every rank
+    needed = needed or _local_bytes(state) * (dist.get_world_size() if dist.is_initialized() and _is_sharded(state)
+                                              else 1)
     early = None
     if _is_main():  # refuse before writing a byte when the disk is too full; then make the directory
         early = space_problem(storage, None, needed)
