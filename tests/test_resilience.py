@@ -279,3 +279,17 @@ def test_without_a_gpu_the_health_check_says_so_and_times_the_cpu(base, tmp_path
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert "1 rank(s); no GPU: " in line and "matmul " in line and line.endswith("; ok")
+
+
+def test_a_straggler_and_a_failing_gpu_are_named_by_host_and_rank():
+    from ultratron.parallel.health import GpuHealth, RankHealth, judge, stragglers
+
+    ok = GpuHealth(True, "1 GPU(s) checked")
+    bad = GpuHealth(True, "1 GPU(s) checked", problems=["GPU 0: XID 79 (GPU fell off the bus)"])
+    reports = [RankHealth(0, "node1", 0.010, 0.002, ok), RankHealth(1, "node1", 0.011, 0.002, ok),
+               RankHealth(2, "node2", 0.035, 0.002, bad), RankHealth(3, "node2", 0.010, 0.009, ok)]
+    problems, warnings, failing = judge(reports, factor=2.0)
+    assert problems == ["node2 rank 2: GPU 0: XID 79 (GPU fell off the bus)"] and failing == ["node2"]
+    assert warnings == ["node2 rank 2: straggler: matmul 35.00 ms, 3.5× the other ranks' median 10.00 ms",
+                        "node2 rank 3: straggler: all-reduce 9.00 ms, 4.5× the other ranks' median 2.00 ms"]
+    assert stragglers([1.0, 2.5], 2.0) == [1] and stragglers([1.0, 1.9], 2.0) == [] and stragglers([5.0], 2.0) == []
