@@ -25,7 +25,8 @@ def save(checkpointer, step):
     model = torch.nn.Linear(2, 2, bias=False)
     with torch.no_grad():
         model.weight.fill_(float(step))
-    return checkpointer.save(step, ModelState(model), Counter(step), {"config.toml": "", "tokenizer.json": "{}"})
+    files = {"config.toml": "", "tokenizer.json": "{}"}
+    return checkpointer.save(step, ModelState(model), Counter(step), files).result()
 
 
 def test_latest_pointer_retention_and_a_round_trip(tmp_path):
@@ -65,6 +66,9 @@ def test_damaged_or_missing_checkpoint_gives_a_clear_error(tmp_path):
     path = save(Checkpointer(tmp_path), 10)
     model = torch.nn.Linear(2, 2, bias=False)
     (path / "state.pt").write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointError, match="failed verification: state.pt has 16 bytes, the manifest says"):
+        read_checkpoint(path, ModelState(model), Counter())
+    (path / "manifest.json").unlink()  # as written before checksums: read, and the damage still named
     with pytest.raises(CheckpointError, match="state.pt: cannot be read"):
         read_checkpoint(path, ModelState(model), Counter())
     with pytest.raises(CheckpointError, match="do not fit this model"):

@@ -87,7 +87,8 @@ def test_bad_config_on_the_command_line_gives_one_line_and_no_traceback():
 
 
 def test_config_is_a_plain_dataclass_tree():
-    assert set(vars(Config())) == {"model", "parallel", "training", "optim", "data", "checkpoint", "eval", "run"}
+    assert set(vars(Config())) == {"model", "parallel", "training", "optim", "data", "checkpoint", "stability",
+                                   "health", "eval", "run"}
 
 
 def test_example_configs_load():

@@ -41,7 +41,8 @@ def shorten(line: str) -> str | None:
     extra: list[str] = []
     if command.startswith("ultratron quickstart"):
         extra = QUICK
-    elif " ultratron train" in f" {command}" and "--show-config" not in command:
+    elif (" ultratron train" in f" {command}" and "--show-config" not in command) or (
+            command.startswith("ultratron launch") and "--slurm" not in command):
         extra = SHORT
         if "--eval.task_interval" in command:  # a task evaluation must actually run (and finish)
             extra = extra + ["--eval.task_interval", "3", "--eval.max_examples", "3"]

@@ -26,6 +26,14 @@ class CheckpointError(UserError):
     """A checkpoint that is missing, incomplete or does not match the run."""
 
 
+class CheckpointStorageError(CheckpointError):
+    """Checkpoint storage that cannot take a save (full, read-only, no permission): training stops."""
+
+
+class TrainingError(UserError):
+    """Training that cannot go on by itself (e.g. loss spikes beyond the configured rollbacks)."""
+
+
 class TaskError(UserError):
     """An evaluation task file or task name that cannot be used."""
 

@@ -62,11 +62,51 @@ def test_launch_dry_run_and_slurm_script(tmp_path, capsys):
     printed = capsys.readouterr().out.split()
     assert printed[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=4", "--nnodes=1", "--max-restarts=0",
                            "--standalone", "-m", "ultratron", "train", "--parallel.tp", "2"]
-    script = tmp_path / "job.sbatch"
+    script, config = tmp_path / "job.sbatch", tmp_path / "run.toml"
+    config.write_text(f'[run]\ndir = "{tmp_path / "myrun"}"\n')
     assert main(["launch", "--nproc-per-node", "8", "--nnodes", "2", "--slurm", str(script), "--",
-                 "--config", "run.toml"]) == 0
+                 "--config", str(config)]) == 0
     text = script.read_text()
-    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --requeue" in text
     assert "--rdzv-endpoint=$HEAD_NODE:$PORT" in text and "--nnodes=2" in text
-    assert text.rstrip().endswith("-m ultratron train --config run.toml")
+    assert f"-m ultratron train --config {config} --checkpoint.resume auto\nrc=$?" in text
+    assert f"RUN_DIR={tmp_path / 'myrun'}" in text
     assert main(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--dry-run"]) == 2  # needs an endpoint
+
+
+def test_the_slurm_script_excludes_failing_nodes_when_it_resubmits(tmp_path):
+    """The script's own logic, run by bash with stand-ins for srun, scontrol and sbatch."""
+    script = tmp_path / "job.sbatch"
+    assert main(["launch", "--nproc-per-node", "1", "--slurm", str(script), "--", "--run.dir",
+                 str(tmp_path / "run")]) == 0
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    shims = {
+        "scontrol": "echo node1",
+        # `srun ... ultratron health --unhealthy-file F` marks $FAKE_BAD (if set) as failing; other sruns are training
+        "srun": 'if [[ "$*" == *"ultratron health"* ]]; then f="${@: -1}"; [ -n "${FAKE_BAD:-}" ] && '
+                'echo "$FAKE_BAD" >> "$f"; exit 0; fi; echo "train $*" >> "$CALLS"; '
+                '[ -n "${FAKE_BAD_LATER:-}" ] && echo "$FAKE_BAD_LATER" >> "$RUN_DIR_FOR_TEST/unhealthy-nodes.txt"; '
+                'exit "${FAKE_RC:-0}"',
+        "sbatch": 'echo "sbatch $*" >> "$CALLS"',
+    }
+    for name, body in shims.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+
+    def job(**env) -> int:
+        calls.unlink(missing_ok=True)
+        full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "SLURM_JOB_ID": "7",
+                "SLURM_JOB_NODELIST": "node[1-2]", "RUN_DIR_FOR_TEST": str(tmp_path / "run"), **env}
+        return subprocess.run(["bash", str(script)], env=full, capture_output=True, text=True).returncode
+
+    assert job() == 0
+    assert calls.read_text().startswith("train --kill-on-bad-exit=1 ")  # healthy: trains, no resubmission
+    assert job(FAKE_BAD="node2") == 1  # the pre-check fails node2: no training, resubmitted without it
+    assert calls.read_text() == f"sbatch --exclude=node2 {script.resolve()}\n"
+    # training fails and the trainer's health monitor named node1: resubmitted without both
+    assert job(FAKE_RC="3", FAKE_BAD_LATER="node1") == 1
+    lines = calls.read_text().splitlines()
+    assert lines[0].startswith("train ") and lines[1] == f"sbatch --exclude=node1,node2 {script.resolve()}"
+    assert job(FAKE_RC="3") == 3  # a failure with no unhealthy node: Slurm's requeue / torchrun decide

@@ -142,3 +142,28 @@ def test_bad_requests_get_openai_shaped_4xx_and_the_server_keeps_serving(served,
     assert 400 <= status < 500 and body["error"]["message"] and body["error"]["type"]
     ok = client.completions.create(model="ultratron", prompt="def ", max_tokens=2, temperature=0)
     assert len(ok.choices) == 1
+
+
+def test_a_lone_surrogate_or_an_oversized_seed_is_the_clients_error(served):
+    """JSON may escape half a surrogate pair ("\\ud800"); Python's json gives a str no tokenizer can
+    encode, and a seed beyond 64 bits overflows torch's generator. Both used to be HTTP 500."""
+    bodies = [
+        (b'{"model": "ultratron", "prompt": "a\\ud800b", "max_tokens": 2}', "/v1/completions", "prompt"),
+        (b'{"model": "ultratron", "prompt": ["ok", "\\udfff"], "max_tokens": 2}', "/v1/completions", "prompt"),
+        (b'{"model": "ultratron", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "/v1/chat/completions",
+         "messages.0.content"),
+        (b'{"prompt": "x\\ud800"}', "/tokenize", "prompt"),
+        (json.dumps({"model": "ultratron", "prompt": "a", "max_tokens": 2, "seed": 2**70}).encode(),
+         "/v1/completions", "seed"),
+        (json.dumps({"model": "ultratron", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2,
+                     "seed": -(2**70)}).encode(), "/v1/chat/completions", "seed"),
+    ]
+    for body, path, param in bodies:
+        status, answer = _raw(served, path, body)
+        assert status == 400, (path, body, answer)
+        assert answer["error"]["param"] == param and answer["error"]["type"] == "invalid_request_error", answer
+    assert "lone surrogate" in _raw(served, *bodies[0][1::-1])[1]["error"]["message"]
+    # the largest seed that fits still samples
+    status, out = _raw(served, "/v1/completions", {"model": "ultratron", "prompt": "a", "max_tokens": 2,
+                                                   "seed": 2**63 - 1, "n": 2})
+    assert status == 200 and len(out["choices"]) == 2, out

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("ultratron.cli.plan", "memory per GPU, compute-optimal scaling, fastest parallel layout"),
     "data": ("ultratron.cli.data", "data curation pipeline: read, dedup, filter, tokenize, shard"),
     "launch": ("ultratron.cli.launch", "ultratron train on N processes via torchrun, or a Slurm script"),
+    "health": ("ultratron.cli.health", "check this node's GPUs (NVML) and time a matmul; exit 1 if a GPU fails"),
     "eval": ("ultratron.cli.eval", "evaluate a checkpoint or an OpenAI-compatible endpoint on task suites"),
     "serve": ("ultratron.cli.serve", "serve a checkpoint behind an OpenAI-compatible HTTP API"),
     "export": ("ultratron.cli.export", "export a checkpoint: ultratron export hf --checkpoint DIR --out DIR"),

@@ -7,6 +7,11 @@ Everything after `--` (or any --section.field flag) goes to `ultratron train`. O
 `torchrun --standalone`. Several nodes: every node runs the same torchrun with a c10d rendezvous
 at --rdzv-endpoint; with --slurm, the script finds the first node of the allocation itself and
 `srun` starts one torchrun per node. --dry-run prints the command instead of running it.
+
+--max-restarts N restarts the whole group after any rank dies (up to N times), and each restart
+resumes from the newest verified checkpoint (--checkpoint.resume auto is added unless given).
+The Slurm script is requeued when a node fails, checks every node's GPUs before training
+(`ultratron health`), and submits itself again without nodes found failing.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc-per-node", type=int, required=True, help="processes per node (GPUs per node)")
     parser.add_argument("--nnodes", type=int, default=1, help="number of nodes")
     parser.add_argument("--rdzv-endpoint", default=None, help="HOST[:PORT] of the rendezvous (multi-node)")
-    parser.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of the whole group")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the whole group up to N times after any rank fails; each restart resumes from "
+                             "the newest verified checkpoint (adds --checkpoint.resume auto unless given)")
     parser.add_argument("--slurm", metavar="FILE", help="write a Slurm batch script to FILE instead of running")
     parser.add_argument("--job-name", default="ultratron")
     parser.add_argument("--time", default="01:00:00", help="Slurm time limit")
@@ -32,13 +39,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(_accepts_overrides=True)
 
 
+def _run_dir(train_args: list[str]) -> str:
+    """The run directory the training arguments name (the config is read and validated here, so a
+    bad one fails now, not on the cluster)."""
+    from ultratron.config import load_config
+
+    config, overrides, rest = None, [], iter(train_args)
+    for arg in rest:
+        if arg == "--config":
+            config = next(rest, None)
+        elif arg.startswith("--config="):
+            config = arg.split("=", 1)[1]
+        else:
+            overrides.append(arg)
+    return str(Path(load_config(config, overrides).run.dir).resolve())
+
+
 def run(args) -> int:
     train_args = [a for a in args.overrides if a != "--"]
+    if args.max_restarts > 0 and not any(a.startswith("--checkpoint.resume") for a in train_args):
+        train_args += ["--checkpoint.resume", "auto"]  # a restarted group must continue, not refuse
     if args.slurm:
         path = Path(args.slurm)
         path.write_text(slurm_script(args.nproc_per_node, args.nnodes, train_args, job_name=args.job_name,
                                      time_limit=args.time, partition=args.partition,
-                                     max_restarts=args.max_restarts), encoding="utf-8")
+                                     max_restarts=args.max_restarts, run_dir=_run_dir(train_args),
+                                     script_path=str(path.resolve())), encoding="utf-8")
         path.chmod(0o755)
         print(f"wrote {path}; submit it with: sbatch {path}")
         return 0

@@ -3,7 +3,7 @@
   ultratron train [--config FILE] [--section.field VALUE ...]
 
 Every config field can be set as --section.field VALUE (sections: model, parallel, training,
-optim, data, checkpoint, eval, run), e.g.
+optim, data, checkpoint, stability, health, eval, run), e.g.
 
   ultratron train --model.preset tiny --training.steps 100 --run.dir runs/try1
   ultratron train --config configs/tiny.toml --training.precision bf16 --checkpoint.resume auto

@@ -107,8 +107,43 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     interval: int = option(0, "save every N steps (and at the end); 0: only at the end")
-    resume: str = option("none", "none | auto (the latest in the run directory) | a checkpoint directory")
-    keep: int = option(3, "newest checkpoints kept; older ones are deleted")
+    resume: str = option("none", "none | auto (the newest checkpoint that passes verification; falls back past "
+                                 "damaged ones) | a checkpoint directory")
+    keep: int = option(3, "newest checkpoints kept; older ones are deleted (never the newest verified one)")
+    dir: str = option("", "where checkpoints go: a directory or an fsspec URL such as s3://bucket/prefix; "
+                          "default RUN_DIR/checkpoints")
+    endpoint: str = option("", "endpoint URL of an S3-compatible store (MinIO, Ceph, ...) for an s3:// dir; "
+                               "credentials come from the usual AWS_* environment variables")
+    async_save: bool = option(True, "write checkpoints in the background from a copy in host memory, so training "
+                                    "goes on; the last save is awaited")
+
+
+@dataclass
+class StabilityConfig:
+    skip_nonfinite: bool = option(True, "a step whose loss or gradient norm is NaN/Inf updates nothing (counted); "
+                                        "false: stop with an error")
+    max_skips_in_a_row: int = option(5, "more non-finite steps in a row than this roll back like a spike")
+    window: int = option(20, "recent steps over which the loss noise and the grad-norm median are measured")
+    min_steps: int = option(20, "steps of history before spikes are judged")
+    loss_mad: float = option(6.0, "a loss above its recent level (median of the last 5 steps) + K × the noise "
+                                  "(MAD of the window's step-to-step changes) is a spike; 0 disables")
+    loss_min_rise: float = option(0.05, "... and above that level by at least this fraction")
+    grad_factor: float = option(10.0, "a grad norm above FACTOR × its running median is a spike; 0 disables")
+    max_rollbacks: int = option(3, "spikes roll back to the last good checkpoint and skip the data since; after "
+                                   "this many, training stops with a report; 0: spikes are only logged")
+
+
+@dataclass
+class HealthConfig:
+    check: bool = option(True, "health checks before training starts: GPUs via NVML (ECC, retired pages, "
+                               "remapped rows, temperature, throttling, XIDs) and per-rank matmul/all-reduce timing")
+    interval: float = option(0.0, "repeat the checks every N minutes of training; 0: only before the start")
+    max_temperature: int = option(90, "a GPU at or above this temperature (°C) fails the check")
+    straggler_factor: float = option(2.0, "a rank whose matmul or all-reduce takes more than FACTOR × the median "
+                                          "of all ranks is named a straggler")
+    matmul_size: int = option(0, "side of the square timing matmul; 0: 4096 on a GPU, 256 on a CPU")
+    stop_on_failure: bool = option(True, "a failing GPU stops training (named in the log and in "
+                                         "RUN_DIR/unhealthy-nodes.txt, which the Slurm script excludes on requeue)")
 
 
 @dataclass
@@ -152,6 +187,8 @@ class Config:
     optim: OptimConfig = option(factory=OptimConfig)
     data: DataConfig = option(factory=DataConfig)
     checkpoint: CheckpointConfig = option(factory=CheckpointConfig)
+    stability: StabilityConfig = option(factory=StabilityConfig)
+    health: HealthConfig = option(factory=HealthConfig)
     eval: EvalConfig = option(factory=EvalConfig)
     run: RunConfig = option(factory=RunConfig)
 
@@ -256,8 +293,49 @@ def validate(cfg: Config) -> None:
         p.append(f"training.grad_clip must be ≥ 0 (0 disables clipping), got {t.grad_clip}")
     if cfg.checkpoint.keep < 1:
         p.append(f"checkpoint.keep must be ≥ 1, got {cfg.checkpoint.keep}")
+    p += _checkpoint_dir_problems(cfg.checkpoint) + _resilience_problems(cfg)
     if p:
         raise ConfigError(p)
+
+
+def _checkpoint_dir_problems(c: CheckpointConfig) -> list[str]:
+    """A URL for checkpoint.dir needs an fsspec protocol that is installed (checked here, before
+    any process starts, not at the first save)."""
+    if "://" not in c.dir or c.dir.startswith("file://"):
+        return [] if not c.endpoint else ["checkpoint.endpoint is set but checkpoint.dir is not an s3:// URL"]
+    import importlib.util
+
+    from fsspec.registry import known_implementations, registry
+
+    protocol = c.dir.split("://", 1)[0]
+    if protocol not in known_implementations and protocol not in registry:
+        return [f"checkpoint.dir {c.dir!r}: unknown storage protocol {protocol!r}"
+                f"{did_you_mean(protocol, list(known_implementations))}"]
+    needs = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}.get(protocol)
+    if needs and importlib.util.find_spec(needs) is None:
+        return [f"checkpoint.dir {c.dir!r} needs the {needs} package: pip install {needs}"]
+    if c.endpoint and protocol not in ("s3", "s3a"):
+        return [f"checkpoint.endpoint is for s3:// URLs, not {protocol}://"]
+    return []
+
+
+def _resilience_problems(cfg: Config) -> list[str]:
+    s, h, p = cfg.stability, cfg.health, []
+    for name in ("max_skips_in_a_row", "window", "min_steps", "max_rollbacks"):
+        if getattr(s, name) < 0:
+            p.append(f"stability.{name} must be ≥ 0, got {getattr(s, name)}")
+    for name in ("loss_mad", "loss_min_rise", "grad_factor"):
+        if getattr(s, name) < 0:
+            p.append(f"stability.{name} must be ≥ 0 (0 disables), got {getattr(s, name)}")
+    if s.window and s.min_steps > s.window:
+        p.append(f"stability.min_steps={s.min_steps} exceeds stability.window={s.window}")
+    if h.interval < 0:
+        p.append(f"health.interval must be ≥ 0 minutes, got {h.interval}")
+    if h.straggler_factor <= 1:
+        p.append(f"health.straggler_factor must exceed 1, got {h.straggler_factor}")
+    if h.matmul_size < 0:
+        p.append(f"health.matmul_size must be ≥ 0 (0: automatic), got {h.matmul_size}")
+    return p
 
 
 def from_dict(data: dict[str, dict[str, Any]]) -> Config:

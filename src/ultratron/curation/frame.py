@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -48,6 +49,18 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def write_json(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+TEMP_NAME = re.compile(r"\.tmp\d*(\.npy)?$")
+
+
+def remove_temp_files(out_dir: Path) -> list[Path]:
+    """Remove what an interrupted run of a stage left under temporary names (`NAME.tmpPID`, ...):
+    never read, but they would sit there (and fill the disk) forever. Call before the stage runs."""
+    found = [p for p in sorted(out_dir.rglob("*.tmp*")) if p.is_file() and TEMP_NAME.search(p.name)]
+    for path in found:
+        path.unlink(missing_ok=True)
+    return found
 
 
 def list_parts(path: str | Path) -> list[Path]:

@@ -15,7 +15,15 @@ from pathlib import Path
 from ultratron.config.loader import to_dict
 from ultratron.curation.config import DataPipelineConfig
 from ultratron.curation.executors import Executor, make_executor
-from ultratron.curation.frame import DONE, PartStats, Scorer, StageContext, stage_dirs, write_json
+from ultratron.curation.frame import (
+    DONE,
+    PartStats,
+    Scorer,
+    StageContext,
+    remove_temp_files,
+    stage_dirs,
+    write_json,
+)
 from ultratron.curation.report import write_report
 from ultratron.curation.stages import RUNNERS
 
@@ -51,6 +59,7 @@ def run_stage(stage: str, cfg: DataPipelineConfig, input_path: str | Path, out_d
     if done.is_file():
         return json.loads(done.read_text(encoding="utf-8"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    remove_temp_files(out_dir)  # an interrupted earlier run's half-written parts
     own_executor = executor is None
     executor = executor or make_executor(cfg)
     started = time.perf_counter()

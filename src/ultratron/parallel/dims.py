@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TypeVar
 
 import torch
@@ -36,15 +37,22 @@ class ParallelDims:
     world_size: int = 1
     rank: int = 0
     local_rank: int = 0
+    restart_count: int = 0  # torchrun's restarts of the whole group so far (TORCHELASTIC_RESTART_COUNT)
+    agent_store: tuple[str, int] | None = None  # torchrun's own TCPStore (MASTER_ADDR, MASTER_PORT), if used
     mesh: object = field(default=None, repr=False, compare=False)  # a DeviceMesh once built
 
     @classmethod
     def from_config(cls, parallel_cfg) -> ParallelDims:
-        """Read the launch environment (torchrun's RANK / WORLD_SIZE / LOCAL_RANK) and check it."""
+        """Read the launch environment (torchrun's RANK / WORLD_SIZE / LOCAL_RANK, its restart count
+        and store) and check it. The one place the launch environment is read."""
+        env = os.environ
+        agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in env
         dims = cls(dp=parallel_cfg.dp, tp=parallel_cfg.tp, pp=parallel_cfg.pp, cp=parallel_cfg.cp,
                    ep=parallel_cfg.ep, dp_replicate=parallel_cfg.dp_replicate, zero=parallel_cfg.zero,
-                   sp=parallel_cfg.sp, world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                   rank=int(os.environ.get("RANK", "0")), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+                   sp=parallel_cfg.sp, world_size=int(env.get("WORLD_SIZE", "1")),
+                   rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
+                   restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                   agent_store=(env["MASTER_ADDR"], int(env.get("MASTER_PORT", "29500"))) if agent else None)
         if dims.product != dims.world_size:
             raise ConfigError(
                 f"parallel layout dp×tp×pp×cp = {dims.dp}×{dims.tp}×{dims.pp}×{dims.cp} = {dims.product} "
@@ -106,10 +114,21 @@ class ParallelDims:
             device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=self._store(),
                                     rank=self.rank, world_size=self.world_size)
         self.build_mesh(device.type)
         return device
+
+    def _store(self):
+        """Under torchrun, a client of the agent's store with keys of this attempt only. torchrun
+        keeps one store across `--max-restarts` restarts, so without the prefix a restarted group
+        reads the addresses the dead group published and fails to connect (gloo 'connectFullMesh
+        failed ... Connection refused'). None: the default env:// rendezvous."""
+        if self.agent_store is None:
+            return None
+        host, port = self.agent_store
+        store = dist.TCPStore(host, port, world_size=self.world_size, is_master=False, timeout=timedelta(minutes=10))
+        return dist.PrefixStore(f"ultratron/attempt-{self.restart_count}", store)
 
     def build_mesh(self, device_type: str = "cpu"):
         from torch.distributed.device_mesh import init_device_mesh

@@ -18,7 +18,7 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ultratron.data.tokenizer import EOS_TOKEN
@@ -62,6 +62,23 @@ def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(error_body(err.message, err.type, err.param, err.code), status_code=err.status)
 
 
+# torch.Generator takes seeds in [-2**63, 2**64); n > 1 adds up to max_n - 1 to the request's seed.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _valid_text(value):
+    """Text must be encodable Unicode: JSON's "\\ud800" escape yields a lone surrogate, which no
+    tokenizer can encode (it would fail deep inside generation, as a server error)."""
+    for text in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ValueError(f"contains a lone surrogate ({text[err.start]!r} at character {err.start}), "
+                                 "which is not valid Unicode text") from None
+    return value
+
+
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, penalties...) are accepted
 
@@ -77,12 +94,16 @@ class CompletionRequest(_Open):
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+
+
+    text_is_unicode = field_validator("prompt", "stop")(_valid_text)
 
 
 class ChatMessage(_Open):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
+    text_is_unicode = field_validator("content")(_valid_text)
 
 
 class ChatRequest(_Open):
@@ -95,9 +116,10 @@ class ChatRequest(_Open):
     n: int = Field(1, ge=1)
     stream: bool = False
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
+    text_is_unicode = field_validator("stop")(_valid_text)
 
 
 class TokenizeRequest(_Open):
@@ -105,6 +127,7 @@ class TokenizeRequest(_Open):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    text_is_unicode = field_validator("prompt")(_valid_text)
 
 
 class DetokenizeRequest(_Open):

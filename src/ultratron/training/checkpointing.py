@@ -1,53 +1,128 @@
 """When the trainer saves and where it resumes from; the saving and loading itself is the
-checkpoint owner's (`ultratron.checkpoint`)."""
+checkpoint owner's (`ultratron.checkpoint`).
+
+Saves are asynchronous by default: `after_step` starts one and training goes on; the next save
+first collects the outcome of the one in flight (at most one at a time), and the last save of
+an invocation is awaited. A save that fails on a storage that cannot take one (disk full,
+read-only) stops training with one clear line; any other failure (an object store that is down)
+is logged, the previous checkpoint stays the one `latest` names, and the next interval tries again.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ultratron.checkpoint.manager import Checkpointer, ModelState
-from ultratron.errors import CheckpointError
+from ultratron.checkpoint.manager import Checkpointer, ModelState, SaveOutcome
+from ultratron.checkpoint.storage import Location
+from ultratron.errors import CheckpointError, CheckpointStorageError
 from ultratron.training.metrics import truncate_metrics
 from ultratron.training.state import TrainState
+
+
+def checkpoint_root(cfg, run_dir: Path) -> str | Path:
+    return cfg.checkpoint.dir or run_dir / "checkpoints"
 
 
 class CheckpointPolicy:
     def __init__(self, cfg, run_dir: Path, is_main: bool, model_state: ModelState, train_state: TrainState,
                  files, log):
-        self.interval, self.resume_from = cfg.checkpoint.interval, cfg.checkpoint.resume
+        c = cfg.checkpoint
+        self.interval, self.resume_from = c.interval, c.resume
         self.run_dir, self.is_main, self.log = run_dir, is_main, log
-        self.checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep)
+        self.checkpointer = Checkpointer(checkpoint_root(cfg, run_dir), keep=c.keep, endpoint=c.endpoint or None,
+                                         asynchronous=c.async_save, log=log)
         self.model_state, self.train_state = model_state, train_state
         self.files = files  # () -> {"config.toml": ..., "tokenizer.json": ...}
-        self.last: Path | None = None
+        self.last: Location | None = None
+        self.failed_saves = 0
+
+    @property
+    def storage(self):
+        return self.checkpointer.storage
 
     def resume(self) -> None:
-        """`none`: a fresh start (refused where checkpoints exist); `auto`: the latest, if any; else a path."""
+        """`none`: a fresh start (refused where checkpoints exist); `auto`: the newest checkpoint that
+        passes verification, if any; else the named checkpoint (verified, no fallback: it was named)."""
+        self.checkpointer.clean_stale()
         if self.resume_from == "none":
             existing = self.checkpointer.latest()
             if existing is not None:
                 raise CheckpointError(
-                    f"run.dir {str(self.run_dir)!r} already holds checkpoints (latest: {existing.name}); "
+                    f"checkpoint.dir {str(self.storage)!r} already holds checkpoints (latest: {existing}); "
                     "pass --checkpoint.resume auto to continue that run, or choose a new --run.dir")
             self._trim_metrics(-1)  # drop records of an earlier attempt
             return
-        path = self.checkpointer.latest() if self.resume_from == "auto" else self.resume_from
-        if path is None:
-            self.log("checkpoint: resume=auto found no checkpoint; starting from step 0")
-            self._trim_metrics(-1)
-            return
-        ckpt = self.checkpointer.load(path, self.model_state, self.train_state)
+        if self.resume_from == "auto":
+            path = self.checkpointer.newest_verified()
+            if path is None:
+                self._nothing_to_resume()
+                return
+            ckpt = self.checkpointer.load(path, self.model_state, self.train_state, verified=True)
+        else:
+            ckpt = self.checkpointer.load(self.resume_from, self.model_state, self.train_state)
+        self.last = ckpt
         self._trim_metrics(self.train_state.step)
         self.log(f"checkpoint: resumed from {ckpt} at step {self.train_state.step}")
+
+    def _nothing_to_resume(self) -> None:
+        corrupt = [n for n in self.storage.names() if n.startswith("corrupt-step-")]
+        if corrupt:
+            raise CheckpointError(
+                f"checkpoint.dir {str(self.storage)!r} holds only checkpoints that failed verification "
+                f"({', '.join(corrupt)}); delete them to start this run over, or inspect them first")
+        self.log("checkpoint: resume=auto found no checkpoint; starting from step 0")
+        self._trim_metrics(-1)
 
     def _trim_metrics(self, last_step: int) -> None:
         if self.is_main:
             truncate_metrics(self.run_dir, last_step)
 
-    def after_step(self, step: int, stop_at: int) -> Path | None:
-        """Save every `interval` steps and when this invocation stops; returns the new checkpoint."""
-        if (self.interval > 0 and step % self.interval == 0) or step == stop_at:
-            self.last = self.checkpointer.save(step, self.model_state, self.train_state, self.files())
-            self.log(f"checkpoint: saved step {step} to {self.last}")
-            return self.last
-        return None
+    def after_step(self, step: int, stop_at: int) -> Location | None:
+        """Save every `interval` steps and when this invocation stops. Returns the checkpoint when it
+        is already whole (a synchronous or final save), else None."""
+        if not ((self.interval > 0 and step % self.interval == 0) or step == stop_at):
+            return None
+        self._collect(final=False)
+        pending = self.checkpointer.save(step, self.model_state, self.train_state, self.files())
+        if step != stop_at and self.checkpointer.asynchronous and not pending.refused:
+            return None
+        outcome = self._collect(final=step == stop_at)
+        return outcome.location if outcome is not None and outcome.error is None else None
+
+    def _collect(self, final: bool) -> SaveOutcome | None:
+        """The outcome of the save in flight, acted on: logged; fatal → stop; last save failed → stop."""
+        outcome = self.checkpointer.wait()
+        if outcome is None:
+            return None
+        if outcome.error is None:
+            self.last = outcome.location
+            self.log(f"checkpoint: saved step {outcome.step} to {outcome.location}")
+            return outcome
+        self.failed_saves += 1
+        if outcome.fatal:
+            raise CheckpointStorageError(f"{outcome.error}; training stopped at step {self.train_state.step} "
+                                         f"(last good checkpoint: {self.last or 'none'})")
+        if final:
+            raise CheckpointError(f"the last checkpoint (step {outcome.step}) could not be written: {outcome.error}; "
+                                  f"last good checkpoint: {self.last or 'none'}")
+        self.log(f"checkpoint: saving step {outcome.step} failed, training goes on and the next interval tries "
+                 f"again (last good checkpoint: {self.last or 'none'}): {outcome.error}")
+        return outcome
+
+    def rollback(self, before_step: int) -> int | None:
+        """Load the newest verified checkpoint older than `before_step` (for the stability guard);
+        returns its step, or None when there is none."""
+        self._collect(final=False)
+        path = self.checkpointer.newest_verified(before_step=before_step)
+        if path is None:
+            return None
+        self.checkpointer.load(path, self.model_state, self.train_state, verified=True)
+        return self.train_state.step
+
+    def close(self) -> None:
+        """At the end: a save still in flight (training ended early, by an error) is let finish,
+        without any collective since other ranks may be gone; then the staging buffers are freed."""
+        outcome = self.checkpointer.abandon_wait()
+        if outcome is not None and outcome.error is None:
+            self.log(f"checkpoint: saved step {outcome.step} to {outcome.location}")
+        self.checkpointer.close()

@@ -54,6 +54,14 @@ class MetricsWriter:
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(self._tag(key), value, record["step"])
 
+    def rewind(self, run_dir: Path, last_step: int) -> None:
+        """Drop the records after `last_step` (a rollback discards those steps); the file is reopened
+        at the next record, so the writer never appends to the replaced file."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        truncate_metrics(run_dir, last_step)
+
     @staticmethod
     def _tag(key: str) -> str:
         """TensorBoard tag: task results ("eval/TASK/METRIC") keep their path; val_* go under val/."""

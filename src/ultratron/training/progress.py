@@ -15,6 +15,7 @@ class Reporter:
     def __init__(self, run_dir: Path, *, is_main: bool, tensorboard: bool, progress: bool, log_interval: int,
                  echo: bool = True):
         self.active = is_main
+        self._run_dir = run_dir
         self.log_interval = log_interval
         self.use_bar = progress and echo and sys.stderr.isatty()
         self._log = RunLog(run_dir, echo=echo) if is_main else None
@@ -36,6 +37,11 @@ class Reporter:
         """A metrics record (a step's, or evaluation results at their step)."""
         if self._metrics is not None:
             self._metrics.write(record)
+
+    def rewind(self, last_step: int) -> None:
+        """Forget the metrics records after `last_step` (steps a rollback discards)."""
+        if self._metrics is not None:
+            self._metrics.rewind(self._run_dir, last_step)
 
     def step(self, record: dict) -> None:
         """A training step's record: written, and shown as progress."""

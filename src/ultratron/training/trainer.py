@@ -30,10 +30,12 @@ from ultratron.parallel.parallelize import parallelize
 from ultratron.planning.flops import training_flops_per_token
 from ultratron.planning.params import count_params_of
 from ultratron.training.checkpointing import CheckpointPolicy
+from ultratron.training.health import HealthMonitor
 from ultratron.training.mfu import MfuMeter
 from ultratron.training.optim import build_optimizer, lr_at, set_lr
 from ultratron.training.periodic_eval import PeriodicEvaluator
 from ultratron.training.progress import Reporter
+from ultratron.training.stability import StabilityGuard
 from ultratron.training.state import TrainState
 from ultratron.training.step import GradAccumStep
 from ultratron.training.validation import Validator
@@ -71,6 +73,8 @@ class Trainer:
         if t.threads > 0:
             torch.set_num_threads(t.threads)
         self.device = self.dims.init_distributed(pick_device(t.device))
+        self.health = HealthMonitor(cfg, self.dims, self.device, self.run_dir, self.log)
+        self.health.before_start(step=0)  # a failing GPU stops the run before any data is read
         torch.manual_seed(t.seed)
 
         data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "data"
@@ -90,6 +94,7 @@ class Trainer:
                                    eval_loss=self.strategy.eval_loss)
         self.checkpoints = CheckpointPolicy(cfg, self.run_dir, self.dims.is_main,
                                             ModelState(self.model, self.optimizer), self.state, self.files, self.log)
+        self.guard = StabilityGuard(cfg, self.checkpoints, self.train_loader, self.log)
         counts = count_params_of(cfg.model)
         self.n_params = counts.total
         self.flops_per_token = training_flops_per_token(counts, vocab_size=cfg.model.vocab_size, dim=cfg.model.dim,
@@ -119,12 +124,14 @@ class Trainer:
         self.log.start(self.step, stop_at)
         try:
             while self.step < stop_at:
-                record = self.train_step()
+                if self.guard.after_step(record := self.train_step()):
+                    continue  # rolled back to an earlier checkpoint, past the data that caused a spike
                 losses.append(record["loss"])
                 if self.validator.due(self.step, at_end=self.step == t.steps) and (new := self._validate()) is not None:
                     val = record["val_loss"] = new
                 self.log.step(record)
                 ckpt = self.checkpoints.after_step(self.step, stop_at)
+                self.health.after_step(self.step)
                 for result in self.periodic.after_step(self.step, self.model, self.files(), ckpt):
                     self.log.record(result)
             for result in self.periodic.finish(self.cfg.eval.final_wait, self.step, self.model, self.files(),
@@ -132,6 +139,7 @@ class Trainer:
                 self.log.record(result)
             sample = self.sample() if self.step == t.steps and t.sample_tokens > 0 else None
         finally:
+            self.checkpoints.close()
             self.periodic.close()
             self.log.close()
         return TrainResult(self.run_dir, self.step, losses[0] if losses else None, losses[-1] if losses else None,
@@ -145,16 +153,16 @@ class Trainer:
         loss = self.strategy.forward_backward(self.train_loader.next_batch, cfg.grad_accum_steps)
         max_norm = cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf
         grad_norm = float(clip_grad_norm(self.model.parameters(), max_norm))
-        self.optimizer.step()
+        skipped = self.guard.skip_update(self.step + 1, loss, grad_norm)  # NaN/Inf: no update
+        if not skipped:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {self.step}; lower optim.lr or enable training.grad_clip")
         elapsed = time.perf_counter() - start
         tokens_per_sec = cfg.training.batch_tokens / elapsed
         return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                 "tokens": self.step * cfg.training.batch_tokens, "tokens_per_sec": tokens_per_sec,
-                "step_time": elapsed, "mfu": self.mfu(tokens_per_sec)}
+                "step_time": elapsed, "mfu": self.mfu(tokens_per_sec)} | ({"skipped": 1} if skipped else {})
 
     def _validate(self, record_alone: bool = False) -> float | None:
         """The validation loss, logged (at step 0 also written as a metrics record of its own)."""
@@ -172,6 +180,9 @@ class Trainer:
                  f"batch {t.batch_tokens:,} tokens = {cfg.grad_accum_steps} × {t.micro_batch_size} × {t.seq_len}{dp}; "
                  f"device {self.device}; precision {t.precision}")
         self.log(f"mfu: peak {self.mfu.peak / 1e12:.3g} TFLOP/s ({self.mfu.source})")
+        if self.dims.restart_count:  # torchrun restarted the whole group after a failure
+            self.log(f"launch: restart {self.dims.restart_count} of this job; resumed at step {self.step}")
+            self.log.record({"step": self.step, "restarts": self.dims.restart_count})
 
     @torch.no_grad()
     def sample(self, prompt: str = "def") -> str:

@@ -10,6 +10,7 @@ documents, malformed JSONL lines and bad Parquet rows are each logged as removed
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,12 +40,55 @@ def classify_bytes(raw: bytes, max_doc_bytes: int, control_fraction: float) -> t
     return text, None
 
 
+def walk_sources(root: Path, extensions: tuple[str, ...]) -> Iterator[tuple[Path, str | None]]:
+    """Files under `root` in a fixed order, as (path, None) — or (path, reason) for an entry that
+    cannot be read: a symlink whose target is gone (`dangling_symlink`), one that leads back into a
+    directory already being read (`symlink_loop`), a directory that cannot be listed (`unreadable`).
+    Directory symlinks are followed once; hidden directories are skipped, as everywhere."""
+    seen = {root.resolve()}
+
+    def visit(directory: Path, ancestors: frozenset) -> Iterator[tuple[Path, str | None]]:
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError:
+            yield directory, "unreadable"
+            return
+        for entry in entries:
+            path = Path(entry.path)
+            try:
+                target = path.resolve(strict=True) if entry.is_symlink() else None
+            except FileNotFoundError:  # reported when it names a file that would be read
+                if entry.name.endswith(extensions):
+                    yield path, "dangling_symlink"
+                continue
+            except (OSError, RuntimeError):  # ELOOP: links that point at each other
+                yield path, "symlink_loop"
+                continue
+            is_dir = (target or path).is_dir()
+            if is_dir and not entry.name.startswith("."):
+                real = target or path.resolve()
+                if real in ancestors or real in seen:
+                    yield path, "symlink_loop"
+                    continue
+                seen.add(real)
+                yield from visit(path, ancestors | {real})
+            elif not is_dir and entry.name.endswith(extensions):
+                yield path, None
+
+    yield from visit(root, frozenset({root.resolve()}))
+
+
 def _iter_text_file(path: Path, doc_id: str, cfg) -> Iterator[Item]:
-    size = path.stat().st_size
-    if size > cfg.read.max_doc_bytes:  # never read a huge file into memory just to reject it
-        yield doc_id, None, "too_large", size, None
+    try:
+        size = path.stat().st_size
+        if size > cfg.read.max_doc_bytes:  # never read a huge file into memory just to reject it
+            yield doc_id, None, "too_large", size, None
+            return
+        raw = path.read_bytes()
+    except OSError as err:  # removed while being read, no permission
+        yield doc_id, None, "unreadable", 0, f"{type(err).__name__}: {err.strerror or err}"
         return
-    text, reason = classify_bytes(path.read_bytes(), cfg.read.max_doc_bytes, cfg.read.binary_control_fraction)
+    text, reason = classify_bytes(raw, cfg.read.max_doc_bytes, cfg.read.binary_control_fraction)
     yield doc_id, ({"id": doc_id, "text": text} if text is not None else None), reason, size, None
 
 
@@ -119,10 +163,12 @@ def iter_source(source: str, cfg) -> Iterator[Item]:
     if not root.exists():
         raise DataError(f"pipeline.input {source!r} does not exist (use 'builtin' for the built-in corpus)")
     extensions = tuple(e.strip() for e in cfg.read.extensions.split(",") if e.strip())
-    files = [root] if root.is_file() else walk_files(root, extensions)
-    for path in files:
+    files = [(root, None)] if root.is_file() else walk_sources(root, extensions)
+    for path, problem in files:
         rel = path.name if root.is_file() else str(path.relative_to(root))
-        if path.suffix == ".jsonl":
+        if problem is not None:
+            yield rel, None, problem, 0, f"{rel} -> {os.readlink(path)}" if path.is_symlink() else rel
+        elif path.suffix == ".jsonl":
             yield from _iter_jsonl(path, rel, cfg)
         elif path.suffix == ".parquet":
             yield from _iter_parquet(path, rel, cfg)
