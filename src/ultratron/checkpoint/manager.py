@@ -52,16 +52,25 @@ def _one_process_is_intended():
         yield
 
 
-def write_checkpoint(final: Path, step: int, model: ModelState, train_state: Stateful | None = None,
-                     files: dict[str, str] | None = None) -> Path:
-    """Write one checkpoint directory atomically. Every rank calls this; returns `final`."""
+def write_checkpoint(final: Path, step: int, model: Stateful, train_state: Stateful | None = None,
+                     files: dict[str, str] | None = None, planner=None) -> Path:
+    """Write one checkpoint directory atomically. Every rank calls this; returns `final`.
+
+    `model` is a `ModelState`, or any Stateful with its state_dict's names and shapes. A `planner`
+    (a DCP SavePlanner) may produce each tensor only when it is written: the Hugging Face import
+    streams a model larger than memory that way, one file per tensor, so each tensor is freed
+    once written (in one file DCP would keep them all until the file is done)."""
     tag = "sharded" if dist.is_initialized() else str(os.getpid())
     tmp = temp_dir_for(final, tag)
     if _is_main():
         begin(final, tag)
     _barrier()
     with _one_process_is_intended():
-        dcp.save({"app": model}, checkpoint_id=str(tmp / DCP_DIR))
+        if planner is None:
+            dcp.save({"app": model}, checkpoint_id=str(tmp / DCP_DIR))
+        else:
+            writer = dcp.FileSystemWriter(str(tmp / DCP_DIR), single_file_per_rank=False)
+            dcp.save({"app": model}, storage_writer=writer, planner=planner)
     if _is_main():
         if train_state is not None:
             torch.save(train_state.state_dict(), tmp / STATE_FILE)
@@ -86,12 +95,20 @@ def read_checkpoint(path: str | Path, model: ModelState, train_state: Stateful |
         raise CheckpointError(f"{ckpt}: the saved weights do not fit this model ({_cause(err)})") from None
     if train_state is not None:
         file = ckpt / STATE_FILE
+        if not file.exists():
+            raise CheckpointError(f"{ckpt} holds weights only (no {STATE_FILE}, e.g. an imported model), so there is "
+                                  "no run to resume; start a run from it with --model.init_from")
         try:
             state = torch.load(file, map_location="cpu", weights_only=False)
         except Exception as err:  # torch raises several types for truncated or foreign files
             raise CheckpointError(f"{file}: cannot be read ({type(err).__name__}: {err})") from None
         train_state.load_state_dict(state)
     return ckpt
+
+
+def holds_run_state(path: str | Path) -> bool:
+    """Whether a checkpoint carries a run's state (step, data position) besides its weights."""
+    return (resolve_checkpoint_dir(path) / STATE_FILE).is_file()
 
 
 class Checkpointer:
@@ -134,5 +151,5 @@ def snapshot(dest: Path, step: int, files: dict[str, str], model: ModelState | N
     return commit(tmp, dest, step)
 
 
-__all__ = ["Checkpointer", "ModelState", "read_checkpoint", "resolve_checkpoint_dir", "snapshot", "step_of",
-           "write_checkpoint"]
+__all__ = ["Checkpointer", "ModelState", "holds_run_state", "read_checkpoint", "resolve_checkpoint_dir", "snapshot",
+           "step_of", "write_checkpoint"]

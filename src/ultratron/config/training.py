@@ -25,6 +25,11 @@ from ultratron.errors import ConfigError
 from ultratron.models.presets import PRESETS
 from ultratron.planning.rules import layout_problems, shape_problems
 
+ROPE_SCALINGS = ("none", "linear", "llama3")
+# The numbers each RoPE scaling needs (Llama 3.1's config.json names them so).
+ROPE_SCALING_PARAMS = {"none": (), "linear": ("factor",),
+                       "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
 
 @dataclass
 class ModelConfig:
@@ -44,6 +49,15 @@ class ModelConfig:
     attn_softcap: float = option(0.0, "Gemma-2 attention-logit soft cap cap·tanh(x/cap); 0 disables")
     final_softcap: float = option(0.0, "Gemma-2 final-logit soft cap; 0 disables")
     init_std: float = option(0.02, "standard deviation of the initial weights")
+    qkv_bias: bool = option(False, "biases on the query/key/value projections (Qwen2)")
+    rope_scaling: str = option("none", "RoPE frequency scaling for long contexts: linear (position interpolation) "
+                                       "or llama3 (Llama 3.1)", choices=ROPE_SCALINGS)
+    rope_scaling_params: dict[str, float] = option(
+        factory=dict, help="rope_scaling's numbers: factor (linear, llama3); low_freq_factor, high_freq_factor, "
+                           "original_max_position_embeddings (llama3)")
+    init_from: str | None = option(None, "start from these weights at step 0 (a checkpoint or run directory, e.g. "
+                                         "what `ultratron import hf` wrote); its tokenizer is used unless "
+                                         "data.tokenizer is set, and the shape fields must match it")
 
 
 @dataclass
@@ -227,12 +241,28 @@ def _parallel_problems(par: ParallelConfig) -> list[str]:
     return p
 
 
+def rope_scaling_problems(m: ModelConfig) -> list[str]:
+    if m.rope_scaling not in ROPE_SCALING_PARAMS:
+        return []  # a choice problem, reported already
+    needed = ROPE_SCALING_PARAMS[m.rope_scaling]
+    p = [f"model.rope_scaling={m.rope_scaling} needs model.rope_scaling_params.{k}" for k in needed
+         if k not in m.rope_scaling_params]
+    p += [f"model.rope_scaling_params.{k}: not used by rope_scaling={m.rope_scaling} (it takes "
+          f"{', '.join(needed) or 'none'})" for k in m.rope_scaling_params if k not in needed]
+    params = m.rope_scaling_params
+    if "factor" in params and params["factor"] <= 0:
+        p.append(f"model.rope_scaling_params.factor must be positive, got {params['factor']}")
+    if m.rope_scaling == "llama3" and not p and params["high_freq_factor"] <= params["low_freq_factor"]:
+        p.append("model.rope_scaling_params.high_freq_factor must exceed low_freq_factor")
+    return p
+
+
 def validate(cfg: Config) -> None:
     m, t, par, o = cfg.model, cfg.training, cfg.parallel, cfg.optim
     p = choice_problems(cfg) + _positive(cfg)
     if p:
         raise ConfigError(p)
-    p += shape_problems(m)
+    p += shape_problems(m) + rope_scaling_problems(m)
     p += layout_problems(m, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, seq=t.seq_len)
     p += _parallel_problems(par)
     if t.seq_len > m.max_seq_len:

@@ -29,7 +29,7 @@ from ultratron.parallel.grads import clip_grad_norm
 from ultratron.parallel.parallelize import parallelize
 from ultratron.planning.flops import training_flops_per_token
 from ultratron.planning.params import count_params_of
-from ultratron.training.checkpointing import CheckpointPolicy
+from ultratron.training.checkpointing import CheckpointPolicy, with_init_tokenizer
 from ultratron.training.mfu import MfuMeter
 from ultratron.training.optim import build_optimizer, lr_at, set_lr
 from ultratron.training.periodic_eval import PeriodicEvaluator
@@ -74,7 +74,8 @@ class Trainer:
         torch.manual_seed(t.seed)
 
         data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "data"
-        self.data = self.dims.main_first(lambda: prepare_data(cfg.data, cfg.model.vocab_size, data_dir, log=self.log))
+        data_cfg = with_init_tokenizer(cfg.data, cfg.model.init_from)
+        self.data = self.dims.main_first(lambda: prepare_data(data_cfg, cfg.model.vocab_size, data_dir, log=self.log))
         self.tokenizer = self.data.tokenizer
         self.train_loader = TokenLoader(ShardSet.open(self.data.train_dir), seq_len=t.seq_len,
                                         micro_batch_size=t.micro_batch_size, dp_rank=self.dims.dp_rank,
@@ -105,7 +106,7 @@ class Trainer:
 
     def files(self) -> dict[str, str]:
         """What makes a checkpoint self-contained besides its tensors."""
-        return {"config.toml": to_toml(self.cfg), "tokenizer.json": self.tokenizer.to_json()}
+        return {"config.toml": to_toml(self.cfg), **self.tokenizer.files()}
 
     # ---- the loop ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
