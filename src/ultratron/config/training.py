@@ -7,6 +7,7 @@ collected and reported together, one line each, as a `ConfigError`.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,14 @@ class EvalConfig(EndpointConfig):
 class RunConfig:
     dir: str = option("runs/default", "the run directory")
     tensorboard: bool = option(True, "TensorBoard events beside metrics.jsonl")
+    wandb: bool = option(False, "also track the run in Weights & Biases (needs the wandb package)")
+    wandb_project: str = option("ultratron", "W&B project")
+    wandb_name: str | None = option(None, "W&B run name (default: the run directory's name)")
+    wandb_tags: list[str] = option(factory=list, help="W&B tags, comma-separated on the command line")
+    wandb_mode: str = option("offline", "offline: write the W&B run to disk only (no account or network; upload "
+                                        "later with `wandb sync`); online; disabled",
+                             choices=("offline", "online", "disabled"))
+    wandb_dir: str | None = option(None, "where W&B writes its wandb/ directory (default: the run directory)")
 
 
 @dataclass
@@ -284,6 +293,8 @@ def validate(cfg: Config) -> None:
         p.append(f"data.held_out_fraction must lie in [0, 1), got {cfg.data.held_out_fraction}")
     if t.grad_clip < 0:
         p.append(f"training.grad_clip must be ≥ 0 (0 disables clipping), got {t.grad_clip}")
+    if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
+        p.append("run.wandb=true needs the wandb package, which is not installed: pip install wandb")
     if cfg.checkpoint.keep < 1:
         p.append(f"checkpoint.keep must be ≥ 1, got {cfg.checkpoint.keep}")
     if p:

@@ -63,6 +63,7 @@ class CheckpointPolicy:
         if (self.interval > 0 and step % self.interval == 0) or step == stop_at:
             self.last = self.checkpointer.save(step, self.model_state, self.train_state, self.files())
             self.log(f"checkpoint: saved step {step} to {self.last}")
+            self.log.event("checkpoint", step, path=str(self.last))  # for the trackers (W&B)
             return self.last
         return None
 

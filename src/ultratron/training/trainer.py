@@ -67,7 +67,8 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log = Reporter(self.run_dir, is_main=self.dims.is_main, tensorboard=cfg.run.tensorboard,
-                            progress=t.progress, log_interval=t.log_interval, echo=echo)
+                            progress=t.progress, log_interval=t.log_interval, echo=echo, run_cfg=cfg.run,
+                            config=to_dict(cfg))
         if t.threads > 0:
             torch.set_num_threads(t.threads)
         self.device = self.dims.init_distributed(pick_device(t.device))
