@@ -22,6 +22,7 @@ from ultratron.config.loader import (
     read_toml,
     set_field,
 )
+from ultratron.data.mixture_spec import parse_mixture
 from ultratron.errors import ConfigError
 from ultratron.models.presets import PRESETS
 from ultratron.planning.rules import layout_problems, shape_problems
@@ -117,6 +118,14 @@ class DataConfig:
     max_bytes: int = option(0, "stop reading the corpus after this many bytes; 0 reads everything")
     cache_dir: str | None = option(None, "where tokenizer and shards go; default RUN_DIR/data")
     extensions: str = option(".py,.txt,.md,.rst,.jsonl,.json", "files read from a directory")
+    sources: list[str] = option(factory=list, help="a mixture: NAME=PREPARED_DIR entries (each a tokenizer.json + "
+                                                   "train/ [+ val/], one shared tokenizer); replaces data.path")
+    weights: dict[str, float] = option(factory=dict, help="the mixture's weights, NAME=WEIGHT (normalised; "
+                                                          "default: equal)")
+    schedule: list[str] = option(factory=list, help="weights over training tokens: points 'TOKENS NAME=W NAME=W "
+                                                    "...', linear in between, held after the last")
+    exhausted: str = option("repeat", "a mixture source that runs out: repeat it (counted in metrics) or stop the run",
+                            choices=("repeat", "stop"))
 
 
 @dataclass
@@ -293,6 +302,9 @@ def validate(cfg: Config) -> None:
         p.append(f"data.held_out_fraction must lie in [0, 1), got {cfg.data.held_out_fraction}")
     if t.grad_clip < 0:
         p.append(f"training.grad_clip must be ≥ 0 (0 disables clipping), got {t.grad_clip}")
+    p += parse_mixture(cfg.data.sources, cfg.data.weights, cfg.data.schedule)[1]
+    if cfg.data.sources and cfg.data.path is not None:
+        p.append("data.path and data.sources exclude each other: a mixture names its datasets in data.sources")
     if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
         p.append("run.wandb=true needs the wandb package, which is not installed: pip install wandb")
     if cfg.checkpoint.keep < 1:
