@@ -182,3 +182,20 @@ def test_a_template_that_raises_is_a_400_and_no_template_is_the_plain_one():
         chat_prompt([{"role": "user", "content": "x"}], Tok())
     Tok.chat_template = None
     assert chat_prompt([{"role": "user", "content": "x"}], Tok()) == "### User\nx\n\n### Assistant\n"
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(model):
+    from ultratron.errors import ConfigError
+    from ultratron.serving.batcher import check_kv_memory
+    from ultratron.serving.server import Server, ServerLimits
+
+    assert check_kv_memory(model, 4, 100) == 2 * 2 * 4 * 2 * 100 * 8 * 4  # K and V, layers, slots, kv heads, pos, dim
+    with pytest.raises(ConfigError, match="KV cache of 100000000 slots × 528 positions needs .* lower --max-batch"):
+        check_kv_memory(model, 10**8, LONG + 16)
+
+    class Tok:
+        eos_id, decode = 0, staticmethod(_decode)
+
+    server = Server(model, Tok(), limits=ServerLimits(max_batch_rows=2, max_model_len=64))
+    assert server.context == 64 and server.batcher.engine.cache.capacity == 64
+    server.batcher.close()

@@ -32,6 +32,8 @@ class ServeSettings:
     device: str = option("cpu", "device to run the model on")
     max_batch: int = option(32, "most sequences generated together (KV-cache slots)")
     max_queue: int = option(256, "waiting sequences before new requests are answered 429 (back-pressure)")
+    max_model_len: int | None = option(None, "longest prompt + completion served (default: the model's context); "
+                                             "each KV-cache slot reserves this many positions")
     batching: str = option("continuous", "continuous: requests join and leave the running batch at token "
                                          "boundaries; static: fixed groups, each run to its end",
                            choices=("continuous", "static"))

@@ -80,7 +80,7 @@ class Tokenizer:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        for name, text in self.files().items():
+        for name, text in sorted(self.files().items(), key=lambda f: f[0] == "tokenizer.json"):  # it last
             target = path if name == "tokenizer.json" else path.with_name(name)
             tmp = target.with_name(target.name + ".tmp")
             tmp.write_text(text, encoding="utf-8")

@@ -14,11 +14,31 @@ client instead of an ever-growing wait.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
 
+from ultratron.errors import ConfigError
 from ultratron.inference.engine import Engine, Sequence
+from ultratron.inference.kv_cache import SlotCache
+
+
+def check_kv_memory(model, slots: int, capacity: int) -> int:
+    """The bytes the KV-cache slots reserve; ConfigError when that exceeds 80 % of the device's
+    memory (GPU: free memory; CPU: physical memory), before anything is allocated."""
+    import torch
+
+    need = SlotCache.bytes_needed(model, slots, capacity)
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        have, where = torch.cuda.mem_get_info(device)[0], "free on the GPU"
+    else:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "of physical memory"
+    if need > 0.8 * have:
+        raise ConfigError(f"the KV cache of {slots} slots × {capacity} positions needs {need / 2**30:.1f} GiB, more "
+                          f"than 80% of the {have / 2**30:.1f} GiB {where}; lower --max-batch or --max-model-len")
+    return need
 
 
 class QueueFull(Exception):
@@ -35,7 +55,9 @@ class _Job:
 class Batcher:
     def __init__(self, model, eos_id: int, decode: Callable[[list[int]], str], max_rows: int = 32,
                  max_queue: int = 256, capacity: int | None = None, continuous: bool = True):
-        self.engine = Engine(model, eos_id, decode, slots=max_rows, capacity=capacity or model.args.max_seq_len)
+        capacity = min(capacity or model.args.max_seq_len, model.args.max_seq_len)
+        self.kv_bytes = check_kv_memory(model, max_rows, capacity)
+        self.engine = Engine(model, eos_id, decode, slots=max_rows, capacity=capacity)
         self.max_queue, self.continuous = max_queue, continuous
         self._cond = threading.Condition()
         self._waiting: deque[tuple[Sequence, _Job]] = deque()

@@ -35,6 +35,7 @@ class ServerLimits:
     max_batch_rows: int = 32  # KV-cache slots: sequences generated together
     max_queue: int = 256  # waiting sequences before requests get 429
     continuous: bool = True  # continuous batching; False: fixed groups (for comparison)
+    max_model_len: int | None = None  # longest prompt + completion (default: the model's context)
 
 
 class APIError(Exception):
@@ -120,11 +121,11 @@ class Server:
                  limits: ServerLimits | None = None):
         self.model, self.tokenizer, self.model_name, self.api_key = model, tokenizer, model_name, api_key
         self.limits = limits or ServerLimits()
-        self.context = model.args.max_seq_len
+        self.context = min(model.args.max_seq_len, self.limits.max_model_len or model.args.max_seq_len)
         self.vocab_size = model.args.vocab_size
         self.created = int(time.time())
         self.batcher = Batcher(model, tokenizer.eos_id, tokenizer.decode, self.limits.max_batch_rows,
-                               self.limits.max_queue, continuous=self.limits.continuous)
+                               self.limits.max_queue, self.context, self.limits.continuous)
 
     # ---- helpers ---------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
