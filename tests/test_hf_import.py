@@ -187,3 +187,19 @@ def test_import_streams_one_tensor_at_a_time(tmp_path, small_corpus, monkeypatch
     import_hf(tmp_path / "hf", tmp_path / "run")
     n_tensors = 3 + 2 * 9
     assert peak[0] <= 2 < n_tensors
+
+
+def test_a_bf16_model_imports_to_fp32_and_exports_back_bit_for_bit(tmp_path, small_corpus):
+    from ultratron.checkpoint.hf import export_hf
+    from ultratron.checkpoint.inference import load_for_inference
+
+    hf_model = _hf_model(tmp_path / "fp32", small_corpus, tie=False)
+    hf_model.to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))
+    _tokenizer_files(tmp_path / "bf16", small_corpus)
+    import_hf(tmp_path / "bf16", tmp_path / "run")
+    loaded = load_for_inference(tmp_path / "run")
+    assert next(loaded.model.parameters()).dtype == torch.float32  # fp32 master weights to train on
+    out = export_hf(loaded.model, loaded.tokenizer, tmp_path / "again", dtype="bfloat16")
+    original, exported = _tensors(tmp_path / "bf16"), _tensors(out)
+    assert original.keys() == exported.keys() and all(
+        exported[k].dtype == torch.bfloat16 and torch.equal(original[k], exported[k]) for k in original)
