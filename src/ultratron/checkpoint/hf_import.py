@@ -276,7 +276,6 @@ def run_config(hf_model: HFModel, out: Path) -> Config:
     """The config to continue training from: the model from config.json, starting from the import."""
     data = {"model": {f.name: getattr(hf_model.model, f.name) for f in fields(ModelConfig)
                       if getattr(hf_model.model, f.name) is not None}}
-    data["model"]["init_from"] = str(out.resolve())
     seq = min(256, hf_model.model.max_seq_len)
     micro = 8
     data["training"] = {"seq_len": seq, "micro_batch_size": micro,
@@ -288,7 +287,9 @@ def run_config(hf_model: HFModel, out: Path) -> Config:
     apply_tables(cfg, data, problems)
     if problems:
         raise CheckpointError(problems)
-    return load_config(base=cfg)
+    cfg = load_config(base=cfg)
+    cfg.model.init_from = str(out.resolve())  # set after validation: the checkpoint is written next
+    return cfg
 
 
 def import_hf(model_dir: str | Path, out_dir: str | Path, max_seq_len: int | None = None) -> Path:
