@@ -206,3 +206,11 @@ def test_a_bf16_model_imports_to_fp32_and_exports_back_bit_for_bit(tmp_path, sma
     original, exported = _tensors(tmp_path / "bf16"), _tensors(out)
     assert original.keys() == exported.keys() and all(
         exported[k].dtype == torch.bfloat16 and torch.equal(original[k], exported[k]) for k in original)
+
+
+def test_a_missing_init_from_is_one_error_line(tmp_path):
+    from conftest import TINY
+
+    result = run_cli("train", *TINY, "--model.init_from", str(tmp_path / "nowhere"), "--run.dir", str(tmp_path / "r"))
+    assert result.returncode == 2 and result.stderr.strip().endswith("does not exist")
+    assert "Traceback" not in result.stderr

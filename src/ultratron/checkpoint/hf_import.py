@@ -288,7 +288,7 @@ def run_config(hf_model: HFModel, out: Path) -> Config:
     if problems:
         raise CheckpointError(problems)
     cfg = load_config(base=cfg)
-    cfg.model.init_from = str(out.resolve())  # set after validation: the checkpoint is written next
+    cfg.model.init_from = str(out.resolve())
     return cfg
 
 

@@ -302,8 +302,6 @@ def validate(cfg: Config) -> None:
         p.append(f"data.held_out_fraction must lie in [0, 1), got {cfg.data.held_out_fraction}")
     if t.grad_clip < 0:
         p.append(f"training.grad_clip must be ≥ 0 (0 disables clipping), got {t.grad_clip}")
-    if m.init_from is not None and not Path(m.init_from).exists():
-        p.append(f"model.init_from: {m.init_from!r} does not exist (a checkpoint or run directory)")
     p += parse_mixture(cfg.data.sources, cfg.data.weights, cfg.data.schedule)[1]
     if cfg.data.sources and cfg.data.path is not None:
         p.append("data.path and data.sources exclude each other: a mixture names its datasets in data.sources")
