@@ -182,6 +182,7 @@ def test_a_template_that_raises_is_a_400_and_no_template_is_the_plain_one():
         chat_prompt([{"role": "user", "content": "x"}], Tok())
     Tok.chat_template = None
     assert chat_prompt([{"role": "user", "content": "x"}], Tok()) == "### User\nx\n\n### Assistant\n"
+    assert chat_prompt([{"role": "user", "content": "x"}]) == "### User\nx\n\n### Assistant\n"  # no tokenizer
 
 
 def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(model):

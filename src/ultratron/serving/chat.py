@@ -38,8 +38,9 @@ def _compiled(template: str):
     return env.from_string(template)
 
 
-def chat_prompt(messages: list[dict], tokenizer) -> str:
-    """The prompt for `messages` under the tokenizer's chat template (or the plain one)."""
+def chat_prompt(messages: list[dict], tokenizer=None) -> str:
+    """The prompt for `messages` under the tokenizer's chat template (or the plain one, also
+    without a tokenizer)."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         return plain_prompt(messages)
