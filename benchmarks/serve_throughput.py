@@ -1,12 +1,18 @@
-"""Requests/s and generated tokens/s of `ultratron serve` under concurrent completions (CPU).
+"""Generated tokens/s of `ultratron serve`, continuous batching against fixed groups, side by side (CPU).
 
-  python benchmarks/serve_throughput.py [--checkpoint DIR] [--concurrency 8] [--requests 32] [--max-tokens 32]
+  python benchmarks/serve_throughput.py [--checkpoint DIR] [--concurrency 8] [--requests 48] [--rounds 5]
 
-Without --checkpoint it trains a tiny model for a few steps first. Starts the server on a free
-loopback port, sends requests from a thread pool with the openai client, prints the figures.
+Without --checkpoint it trains a tiny model for a few steps first. Starts two servers on free
+loopback ports — `--batching continuous` and `--batching static` (the fixed-group policy: a
+group runs until its longest request ends) — each with --max-batch equal to the concurrency,
+and sends the same requests to each in alternating rounds, so both see the same machine load.
+Requests ask for mixed lengths (16 to 128 tokens, ignore_eos so every one generates exactly
+that many, as vLLM's serving benchmark does). Prints the median over rounds of generated
+tokens/s and request latency for each policy, and their ratio.
 """
 
 import argparse
+import json
 import socket
 import statistics
 import subprocess
@@ -15,6 +21,8 @@ import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+
+LENGTHS = (16, 128, 32, 64, 16, 96, 24, 48)
 
 
 def tiny_checkpoint(root: str) -> str:
@@ -30,50 +38,75 @@ def tiny_checkpoint(root: str) -> str:
     return root + "/run"
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(ckpt: str, batching: str, slots: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ultratron", "serve", "--checkpoint", ckpt, "--port", str(port),
+                             "--batching", batching, "--max-batch", str(slots), "--threads", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return proc, url
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"the {batching} server did not start")
+
+
+def one(url: str, i: int) -> tuple[float, int]:
+    body = {"model": "ultratron", "prompt": f"def f{i}(", "max_tokens": LENGTHS[i % len(LENGTHS)],
+            "temperature": 0.8, "seed": i, "ignore_eos": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    start_time = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        usage = json.loads(resp.read())["usage"]
+    return time.perf_counter() - start_time, usage["completion_tokens"]
+
+
+def measure(url: str, concurrency: int, requests: int) -> tuple[float, float]:
+    """(generated tokens/s, median latency in s) of one round."""
+    start_time = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda i: one(url, i), range(requests)))
+    wall = time.perf_counter() - start_time
+    return sum(n for _, n in results) / wall, statistics.median(t for t, _ in results)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint")
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    import openai
-
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.checkpoint or tiny_checkpoint(tmp)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        proc = subprocess.Popen([sys.executable, "-m", "ultratron", "serve", "--checkpoint", ckpt, "--port",
-                                 str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        servers = {mode: start(ckpt, mode, args.concurrency) for mode in ("static", "continuous")}
         try:
-            for _ in range(300):
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                    break
-                except OSError:
-                    time.sleep(0.2)
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-
-            def one(i: int) -> tuple[float, int]:
-                start = time.perf_counter()
-                r = client.completions.create(model="ultratron", prompt=f"def f{i}(", max_tokens=args.max_tokens,
-                                              temperature=0.8, seed=i)
-                return time.perf_counter() - start, r.usage.completion_tokens
-
-            one(0)  # warm-up
-            for concurrency in sorted({1, args.concurrency}):
-                start = time.perf_counter()
-                with ThreadPoolExecutor(concurrency) as pool:
-                    results = list(pool.map(one, range(args.requests)))
-                wall = time.perf_counter() - start
-                tokens = sum(n for _, n in results)
-                print(f"concurrency {concurrency:3d}: {args.requests / wall:7.2f} requests/s, "
-                      f"{tokens / wall:8.1f} generated tokens/s, median latency "
-                      f"{statistics.median(t for t, _ in results) * 1e3:.0f} ms")
+            for _, url in servers.values():
+                measure(url, args.concurrency, args.concurrency)  # warm-up
+            figures = {mode: [] for mode in servers}
+            for _ in range(args.rounds):
+                for mode, (_, url) in servers.items():
+                    figures[mode].append(measure(url, args.concurrency, args.requests))
+            medians = {mode: (statistics.median(t for t, _ in f), statistics.median(lat for _, lat in f))
+                       for mode, f in figures.items()}
+            for mode, (tps, latency) in medians.items():
+                print(f"{mode:>10}: {tps:8.1f} generated tokens/s, median latency {latency * 1e3:6.0f} ms "
+                      f"(concurrency {args.concurrency}, median of {args.rounds} rounds of {args.requests} requests)")
+            print(f"continuous / static: {medians['continuous'][0] / medians['static'][0]:.2f}× tokens/s, "
+                  f"{medians['static'][1] / medians['continuous'][1]:.2f}× lower median latency")
         finally:
-            proc.terminate()
-            proc.wait(timeout=15)
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(timeout=15)
 
 
 if __name__ == "__main__":

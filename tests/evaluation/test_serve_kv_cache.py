@@ -3,7 +3,7 @@
 import torch
 
 from ultratron.inference.engine import SamplingParams, Sequence, run_batch
-from ultratron.inference.kv_cache import KVCache
+from ultratron.inference.kv_cache import SlotCache
 from ultratron.models.llama import Llama, LlamaArgs
 from ultratron.models.sampling import generate
 
@@ -17,12 +17,13 @@ def _model(**kw):
 def test_cached_forward_matches_full_forward_for_ragged_rows():
     model = _model()
     prompts = [[3, 5, 7, 9, 11, 2], [4, 8], [1, 2, 3, 4]]
-    cache = KVCache(model, len(prompts), 16)
+    cache = SlotCache(model, len(prompts) + 1, 16).rows(1, len(prompts) + 1)  # slot 0 left alone
     padded = torch.tensor([p + [0] * (6 - len(p)) for p in prompts])
     with torch.no_grad():
         logits = model(padded, cache)
         cache.advance(torch.tensor([len(p) for p in prompts]))
         step = model(torch.tensor([[10], [20], [30]]), cache)
+        assert cache.cache.lengths.tolist() == [0, 6, 2, 4]
         for i, p in enumerate(prompts):
             full = model(torch.tensor([p + [(10, 20, 30)[i]]]))
             assert torch.allclose(logits[i, : len(p)], full[0, : len(p)], atol=1e-5)

@@ -6,7 +6,8 @@ Two conventions differ from ours and are converted here:
   odds — makes the two identical (the same permutation Meta's conversion script applies).
 - Names: `layers.N.attention.wq` → `model.layers.N.self_attn.q_proj`, SwiGLU w1/w3/w2 →
   gate/up/down_proj, and so on.
-QK-norm and soft-capping have no place in HF's Llama, so such models are refused.
+QK-norm and soft-capping have no place in HF's Llama, so such models are refused. A model with
+q/k/v biases is written as Qwen2 (Llama with exactly those biases). `hf_import.py` is the inverse.
 """
 
 from __future__ import annotations
@@ -18,17 +19,31 @@ from pathlib import Path
 
 import torch
 
-from ultratron.data.tokenizer import EOS_TOKEN
 from ultratron.errors import ExportError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# Per-layer names: ours → Hugging Face Llama's (the same in Mistral and Qwen2).
+LAYER_NAMES = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+               "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+               "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+               "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
+               "ffn_norm": "post_attention_layernorm"}
+
+
 def rope_to_half_split(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder each head's rows from interleaved pairs (0,1),(2,3)… to halves (0,2,4…, 1,3,5…)."""
-    out_dim, in_dim = weight.shape
+    """Reorder each head's rows (of a weight or a bias) from interleaved pairs (0,1),(2,3)… to
+    halves (0,2,4…, 1,3,5…)."""
+    out_dim, rest = weight.shape[0], weight.shape[1:]
     head_dim = out_dim // n_heads
-    return weight.view(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+    return weight.reshape(n_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(out_dim, *rest)
+
+
+def rope_parameters(args) -> dict:
+    """The model's RoPE settings as Hugging Face names them (rope_type, rope_theta, factor, ...)."""
+    return {"rope_type": "default" if args.rope_scaling == "none" else args.rope_scaling,
+            "rope_theta": args.rope_theta, **(args.rope_scaling_params or {})}
 
 
 def check_exportable(args) -> None:
@@ -43,16 +58,18 @@ def check_exportable(args) -> None:
         raise ExportError([f"cannot export to the Hugging Face Llama format: {p}" for p in problems])
 
 
-def hf_config(args, eos_id: int, dtype: str) -> dict:
+def hf_config(args, eos_id: int, dtype: str, bos_id: int | None = None) -> dict:
+    family = ("Qwen2ForCausalLM", "qwen2") if args.qkv_bias else ("LlamaForCausalLM", "llama")
+    scaling = rope_parameters(args) if args.rope_scaling != "none" else None
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [family[0]], "model_type": family[1],
         "hidden_size": args.dim, "intermediate_size": args.ffn_dim, "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
         "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "rope_scaling": None, "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu",
+        "rope_theta": args.rope_theta, "rope_parameters": rope_parameters(args),
+        "rope_scaling": scaling, "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu",
         "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": args.init_std,
-        "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": None, "use_cache": True,
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": None, "use_cache": True,
         "torch_dtype": dtype, "dtype": dtype,
     }
 
@@ -62,18 +79,16 @@ def hf_state_dict(state: dict, args, dtype: torch.dtype = torch.float32) -> dict
     out = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
     if not args.tie_embeddings:
         out["lm_head.weight"] = state["output.weight"]
-    names = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-             "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-             "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
-             "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    biased = ("attention.wq", "attention.wk", "attention.wv") if args.qkv_bias else ()
     for i in range(args.n_layers):
-        for ours, theirs in names.items():
-            weight = state[f"layers.{i}.{ours}.weight"]
-            if ours == "attention.wq":
-                weight = rope_to_half_split(weight, args.n_heads)
-            elif ours == "attention.wk":
-                weight = rope_to_half_split(weight, args.n_kv_heads)
-            out[f"model.layers.{i}.{theirs}.weight"] = weight
+        for ours, theirs in LAYER_NAMES.items():
+            for kind in ("weight", "bias") if ours in biased else ("weight",):
+                tensor = state[f"layers.{i}.{ours}.{kind}"]
+                if ours == "attention.wq":
+                    tensor = rope_to_half_split(tensor, args.n_heads)
+                elif ours == "attention.wk":
+                    tensor = rope_to_half_split(tensor, args.n_kv_heads)
+                out[f"model.layers.{i}.{theirs}.{kind}"] = tensor
     return {k: v.detach().to(dtype).contiguous().clone() for k, v in out.items()}
 
 
@@ -95,14 +110,18 @@ def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "float32") -> 
     tensors = hf_state_dict(model.state_dict(), args, DTYPES[dtype])
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     write_json = lambda name, data: (tmp / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    write_json("config.json", hf_config(args, tokenizer.eos_id, dtype))
-    write_json("generation_config.json", {"eos_token_id": tokenizer.eos_id, "bos_token_id": None})
+    bos = tokenizer.bos_token
+    bos_id = None if bos is None else tokenizer.hf.token_to_id(bos)
+    write_json("config.json", hf_config(args, tokenizer.eos_id, dtype, bos_id))
+    write_json("generation_config.json", {"eos_token_id": tokenizer.eos_id, "bos_token_id": bos_id})
     (tmp / "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
     write_json("tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "bos_token": None,
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eos_token, "bos_token": bos,
         "pad_token": None, "unk_token": None, "model_max_length": args.max_seq_len,
-        "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False})
-    write_json("special_tokens_map.json", {"eos_token": EOS_TOKEN})
+        "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False,
+        **({"chat_template": tokenizer.chat_template} if tokenizer.chat_template else {})})
+    write_json("special_tokens_map.json", {"eos_token": tokenizer.eos_token,
+                                           **({"bos_token": bos} if bos else {})})
     if out.exists():
         out.rmdir()
     os.replace(tmp, out)

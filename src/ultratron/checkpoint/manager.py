@@ -158,12 +158,16 @@ def _failure(storage: Storage, err: BaseException, needed: int, final: Location)
 
 def write_checkpoint(final: Location, step: int, model: ModelState, train_state: Stateful | None = None,
                      files: dict[str, str] | None = None, *, root: CheckpointRoot | None = None, group=None,
-                     blocking: bool = True, needed: int | None = None, on_commit=None, stager=None) -> PendingSave:
+                     blocking: bool = True, needed: int | None = None, on_commit=None, stager=None,
+                     planner=None) -> PendingSave:
     """Write one checkpoint atomically. Every rank calls this. `blocking=False` returns as soon as
     the tensors are copied to host memory and writes in the background; either way the returned
     `PendingSave` tells how it went. `on_commit(final)` runs on rank 0 once the checkpoint is whole
     (the `latest` pointer and retention). `needed`: the expected size, for the free-space check.
-    `stager`: a DCP stager kept across saves, so the host-memory copy reuses its buffers."""
+    `stager`: a DCP stager kept across saves, so the host-memory copy reuses its buffers. A `planner`
+    (a DCP SavePlanner) may produce each tensor only when it is written: the Hugging Face import
+    streams a model larger than memory that way, one file per tensor, so each is freed once written
+    (in one file per rank DCP would keep them all until the file is done); such saves block."""
     root = root or CheckpointRoot(Path(final).parent if isinstance(final, Path) else final.rsplit("/", 1)[0])
     storage = root.storage
     tag = "sharded" if dist.is_initialized() else str(os.getpid())
@@ -199,7 +203,7 @@ def write_checkpoint(final: Location, step: int, model: ModelState, train_state:
             torch.save(train_state.state_dict(), buffer)  # captured now: training changes it next step
             extra[STATE_FILE] = buffer.getvalue()
         extra |= {name: text.encode("utf-8") for name, text in (files or {}).items()}
-    writer = storage.dcp_writer(storage.join(tmp, DCP_DIR))
+    writer = storage.dcp_writer(storage.join(tmp, DCP_DIR), single_file_per_rank=planner is None)
 
     def finish(upload) -> Location:
         """Wait for the tensors (`upload()`), then rank 0 adds the rest, the manifest and the marker."""
@@ -227,9 +231,9 @@ def write_checkpoint(final: Location, step: int, model: ModelState, train_state:
         except BaseException as err:  # noqa: B036 (whatever happens, the future resolves: no one waits forever)
             future.set_exception(CheckpointError(f"saving {final} failed: {type(err).__name__}: {err}"))
 
-    if blocking:
+    if blocking or planner is not None:
         with _one_process_is_intended():
-            settle(lambda: dcp.save(state, storage_writer=writer, process_group=group))
+            settle(lambda: dcp.save(state, storage_writer=writer, process_group=group, planner=planner))
         return PendingSave(step, final, future, group)
     try:
         upload = dcp.async_save(state, storage_writer=writer, process_group=group, async_stager=stager)
@@ -274,12 +278,23 @@ def read_checkpoint(path: Location, model: ModelState, train_state: Stateful | N
         raise CheckpointError(f"{ckpt}: the saved weights do not fit this model ({_cause(err)})") from None
     if train_state is not None:
         file = storage.join(ckpt, STATE_FILE)
+        if not storage.exists(file):
+            raise CheckpointError(f"{ckpt} holds weights only (no {STATE_FILE}, e.g. an imported model), so there is "
+                                  "no run to resume; start a run from it with --model.init_from")
         try:
             state = torch.load(io.BytesIO(storage.read_bytes(file)), map_location="cpu", weights_only=False)
         except Exception as err:  # torch raises several types for truncated or foreign files
             raise CheckpointError(f"{file}: cannot be read ({type(err).__name__}: {err})") from None
         train_state.load_state_dict(state)
     return ckpt
+
+
+def holds_run_state(path: Location, storage: Storage | None = None) -> bool:
+    """Whether a checkpoint carries a run's state (step, data position) besides its weights (an
+    import does not). `storage`: where `path` lives, when it came from a run's checkpoint root."""
+    if storage is None:
+        return (resolve_checkpoint_dir(path) / STATE_FILE).is_file()
+    return storage.is_file(storage.join(path, STATE_FILE))
 
 
 class Checkpointer:
@@ -404,5 +419,5 @@ def snapshot(dest: Path, step: int, files: dict[str, str], model: ModelState | N
     return commit(tmp, dest, step)
 
 
-__all__ = ["Checkpointer", "ModelState", "PendingSave", "SaveOutcome", "checkpoint_group", "read_checkpoint",
-           "resolve_checkpoint_dir", "snapshot", "step_of", "write_checkpoint"]
+__all__ = ["Checkpointer", "ModelState", "PendingSave", "SaveOutcome", "checkpoint_group", "holds_run_state",
+           "read_checkpoint", "resolve_checkpoint_dir", "snapshot", "step_of", "write_checkpoint"]

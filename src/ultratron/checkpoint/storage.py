@@ -178,14 +178,14 @@ class Storage:
             pass
 
     # ---- torch.distributed.checkpoint ---------------------------------------------------------
-    def dcp_writer(self, loc: Location):
+    def dcp_writer(self, loc: Location, single_file_per_rank: bool = True):
         if isinstance(loc, Path):
             from torch.distributed.checkpoint import FileSystemWriter
 
-            return FileSystemWriter(loc)
+            return FileSystemWriter(loc, single_file_per_rank=single_file_per_rank)
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        return FsspecWriter(str(loc), **self.options)
+        return FsspecWriter(str(loc), single_file_per_rank=single_file_per_rank, **self.options)
 
     def dcp_reader(self, loc: Location):
         if isinstance(loc, Path):

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("ultratron.cli.eval", "evaluate a checkpoint or an OpenAI-compatible endpoint on task suites"),
     "serve": ("ultratron.cli.serve", "serve a checkpoint behind an OpenAI-compatible HTTP API"),
     "export": ("ultratron.cli.export", "export a checkpoint: ultratron export hf --checkpoint DIR --out DIR"),
+    "import": ("ultratron.cli.importer", "import a model: ultratron import hf --model HF_DIR --out RUN_DIR"),
 }
 
 

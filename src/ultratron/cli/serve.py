@@ -23,14 +23,23 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ultratron.checkpoint.inference import load_for_inference
+    from ultratron.errors import ConfigError
     from ultratron.serving.server import Server, ServerLimits, serve
 
     s: ServeSettings = from_arguments(ServeSettings, args)
+    problems = [f"--{name.replace('_', '-')} must be positive, got {getattr(s, name)}"
+                for name in ("max_batch", "max_queue", "max_model_len") if (getattr(s, name) or 1) < 1]
+    if problems:
+        raise ConfigError(problems)
     if s.threads > 0:
         torch.set_num_threads(s.threads)
     loaded = load_for_inference(s.checkpoint, s.device)
+    limits = ServerLimits(max_body_bytes=s.max_body_bytes, max_batch_rows=s.max_batch, max_queue=s.max_queue,
+                          continuous=s.batching == "continuous", max_model_len=s.max_model_len)
     server = Server(loaded.model, loaded.tokenizer, s.model_name, s.api_key or os.environ.get("ULTRATRON_API_KEY"),
-                    ServerLimits(max_body_bytes=s.max_body_bytes, max_batch_rows=s.max_batch))
-    print(f"serving {loaded.checkpoint_dir} as {s.model_name!r} on http://{s.host}:{s.port}/v1", flush=True)
+                    limits)
+    print(f"serving {loaded.checkpoint_dir} as {s.model_name!r} on http://{s.host}:{s.port}/v1 ({s.batching} "
+          f"batching, {s.max_batch} KV-cache slots × {server.context} positions = "
+          f"{server.batcher.kv_bytes / 2**20:.0f} MiB)", flush=True)
     serve(server, s.host, s.port)
     return 0

@@ -30,6 +30,12 @@ class ServeSettings:
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (default: $ULTRATRON_API_KEY; none: open)")
     model_name: str = option("ultratron", "the model id clients pass")
     device: str = option("cpu", "device to run the model on")
-    max_batch: int = option(32, "most sequences generated together")
+    max_batch: int = option(32, "most sequences generated together (KV-cache slots)")
+    max_queue: int = option(256, "waiting sequences before new requests are answered 429 (back-pressure)")
+    max_model_len: int | None = option(None, "longest prompt + completion served (default: the model's context); "
+                                             "each KV-cache slot reserves this many positions")
+    batching: str = option("continuous", "continuous: requests join and leave the running batch at token "
+                                         "boundaries; static: fixed groups, each run to its end",
+                           choices=("continuous", "static"))
     max_body_bytes: int = option(1 << 20, "largest request body accepted")
     threads: int = option(0, "torch intra-op threads (0: torch's default)")

@@ -7,6 +7,7 @@ collected and reported together, one line each, as a `ConfigError`.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,15 @@ from ultratron.config.loader import (
     read_toml,
     set_field,
 )
+from ultratron.data.mixture_spec import parse_mixture
 from ultratron.errors import ConfigError
 from ultratron.models.presets import PRESETS
 from ultratron.planning.rules import layout_problems, shape_problems
+
+ROPE_SCALINGS = ("none", "linear", "llama3")
+# The numbers each RoPE scaling needs (Llama 3.1's config.json names them so).
+ROPE_SCALING_PARAMS = {"none": (), "linear": ("factor",),
+                       "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 @dataclass
@@ -44,6 +51,15 @@ class ModelConfig:
     attn_softcap: float = option(0.0, "Gemma-2 attention-logit soft cap cap·tanh(x/cap); 0 disables")
     final_softcap: float = option(0.0, "Gemma-2 final-logit soft cap; 0 disables")
     init_std: float = option(0.02, "standard deviation of the initial weights")
+    qkv_bias: bool = option(False, "biases on the query/key/value projections (Qwen2)")
+    rope_scaling: str = option("none", "RoPE frequency scaling for long contexts: linear (position interpolation) "
+                                       "or llama3 (Llama 3.1)", choices=ROPE_SCALINGS)
+    rope_scaling_params: dict[str, float] = option(
+        factory=dict, help="rope_scaling's numbers: factor (linear, llama3); low_freq_factor, high_freq_factor, "
+                           "original_max_position_embeddings (llama3)")
+    init_from: str | None = option(None, "start from these weights at step 0 (a checkpoint or run directory, e.g. "
+                                         "what `ultratron import hf` wrote); its tokenizer is used unless "
+                                         "data.tokenizer is set, and the shape fields must match it")
 
 
 @dataclass
@@ -102,6 +118,14 @@ class DataConfig:
     max_bytes: int = option(0, "stop reading the corpus after this many bytes; 0 reads everything")
     cache_dir: str | None = option(None, "where tokenizer and shards go; default RUN_DIR/data")
     extensions: str = option(".py,.txt,.md,.rst,.jsonl,.json", "files read from a directory")
+    sources: list[str] = option(factory=list, help="a mixture: NAME=PREPARED_DIR entries (each a tokenizer.json + "
+                                                   "train/ [+ val/], one shared tokenizer); replaces data.path")
+    weights: dict[str, float] = option(factory=dict, help="the mixture's weights, NAME=WEIGHT (normalised; "
+                                                          "default: equal)")
+    schedule: list[str] = option(factory=list, help="weights over training tokens: points 'TOKENS NAME=W NAME=W "
+                                                    "...', linear in between, held after the last")
+    exhausted: str = option("repeat", "a mixture source that runs out: repeat it (counted in metrics) or stop the run",
+                            choices=("repeat", "stop"))
 
 
 @dataclass
@@ -177,6 +201,14 @@ class EvalConfig(EndpointConfig):
 class RunConfig:
     dir: str = option("runs/default", "the run directory")
     tensorboard: bool = option(True, "TensorBoard events beside metrics.jsonl")
+    wandb: bool = option(False, "also track the run in Weights & Biases (needs the wandb package)")
+    wandb_project: str = option("ultratron", "W&B project")
+    wandb_name: str | None = option(None, "W&B run name (default: the run directory's name)")
+    wandb_tags: list[str] = option(factory=list, help="W&B tags, comma-separated on the command line")
+    wandb_mode: str = option("offline", "offline: write the W&B run to disk only (no account or network; upload "
+                                        "later with `wandb sync`); online; disabled",
+                             choices=("offline", "online", "disabled"))
+    wandb_dir: str | None = option(None, "where W&B writes its wandb/ directory (default: the run directory)")
 
 
 @dataclass
@@ -264,12 +296,28 @@ def _parallel_problems(par: ParallelConfig) -> list[str]:
     return p
 
 
+def rope_scaling_problems(m: ModelConfig) -> list[str]:
+    if m.rope_scaling not in ROPE_SCALING_PARAMS:
+        return []  # a choice problem, reported already
+    needed = ROPE_SCALING_PARAMS[m.rope_scaling]
+    p = [f"model.rope_scaling={m.rope_scaling} needs model.rope_scaling_params.{k}" for k in needed
+         if k not in m.rope_scaling_params]
+    p += [f"model.rope_scaling_params.{k}: not used by rope_scaling={m.rope_scaling} (it takes "
+          f"{', '.join(needed) or 'none'})" for k in m.rope_scaling_params if k not in needed]
+    params = m.rope_scaling_params
+    if "factor" in params and params["factor"] <= 0:
+        p.append(f"model.rope_scaling_params.factor must be positive, got {params['factor']}")
+    if m.rope_scaling == "llama3" and not p and params["high_freq_factor"] <= params["low_freq_factor"]:
+        p.append("model.rope_scaling_params.high_freq_factor must exceed low_freq_factor")
+    return p
+
+
 def validate(cfg: Config) -> None:
     m, t, par, o = cfg.model, cfg.training, cfg.parallel, cfg.optim
     p = choice_problems(cfg) + _positive(cfg)
     if p:
         raise ConfigError(p)
-    p += shape_problems(m)
+    p += shape_problems(m) + rope_scaling_problems(m)
     p += layout_problems(m, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, seq=t.seq_len)
     p += _parallel_problems(par)
     if t.seq_len > m.max_seq_len:
@@ -291,6 +339,11 @@ def validate(cfg: Config) -> None:
         p.append(f"data.held_out_fraction must lie in [0, 1), got {cfg.data.held_out_fraction}")
     if t.grad_clip < 0:
         p.append(f"training.grad_clip must be ≥ 0 (0 disables clipping), got {t.grad_clip}")
+    p += parse_mixture(cfg.data.sources, cfg.data.weights, cfg.data.schedule)[1]
+    if cfg.data.sources and cfg.data.path is not None:
+        p.append("data.path and data.sources exclude each other: a mixture names its datasets in data.sources")
+    if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
+        p.append("run.wandb=true needs the wandb package, which is not installed: pip install wandb")
     if cfg.checkpoint.keep < 1:
         p.append(f"checkpoint.keep must be ≥ 1, got {cfg.checkpoint.keep}")
     p += _checkpoint_dir_problems(cfg.checkpoint) + _resilience_problems(cfg)

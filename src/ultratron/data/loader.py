@@ -67,7 +67,14 @@ class TokenLoader:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "n_sequences": self.n_sequences, "seq_len": self.seq_len}
 
+    def metrics(self) -> dict[str, float]:
+        """Per-source counters (a mixture's); one dataset has none beyond the trainer's own."""
+        return {}
+
     def load_state_dict(self, state: dict) -> None:
+        if "names" in state:
+            raise DataError(f"data loader state is of the mixture {state['names']}, but the data is one dataset now "
+                            "(was data.sources removed?)")
         for key in ("seed", "n_sequences", "seq_len"):
             if state[key] != getattr(self, key):
                 raise DataError(

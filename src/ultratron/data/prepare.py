@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ultratron.data.mixture_spec import MixtureSpec, parse_mixture
 from ultratron.data.shards import META, ShardWriter, write_json_atomic
 from ultratron.data.sources import Document, held_out, iter_documents
 from ultratron.data.tokenizer import Tokenizer, train_tokenizer
@@ -25,9 +26,11 @@ ENCODE_BATCH = 256
 @dataclass
 class PreparedData:
     tokenizer: Tokenizer
-    train_dir: Path
+    train_dir: Path | None  # None for a mixture, whose splits are in `sources`
     val_dir: Path | None  # None when no document was held out
     summary: dict
+    mixture: MixtureSpec | None = None
+    sources: tuple[tuple[Path, Path | None], ...] = ()  # a mixture's (train, val) directories, in spec order
 
 
 def _fingerprint(data_cfg, vocab_size: int) -> str:
@@ -89,9 +92,35 @@ def open_prepared(path: str | Path, vocab_size: int, log: Callable[[str], None] 
     return PreparedData(tokenizer, splits["train"], splits.get("val"), summary)
 
 
+def open_mixture(data_cfg, vocab_size: int, log: Callable[[str], None] = print) -> PreparedData:
+    """A mixture's prepared sources, which must share one tokenizer (and data.tokenizer, if set)."""
+    spec, problems = parse_mixture(data_cfg.sources, data_cfg.weights, data_cfg.schedule)
+    if problems:
+        raise DataError(problems)
+    opened = []
+    for name, path in zip(spec.names, spec.paths, strict=True):
+        if not is_prepared_dir(path):
+            raise DataError(f"data source {name!r}: {path} is not a prepared directory (tokenizer.json + train/ "
+                            "shards, as `ultratron data run` writes)")
+        opened.append(open_prepared(path, vocab_size, lambda message, name=name: log(f"{name}: {message}")))
+    tokenizers = {name: p.tokenizer.sha256 for name, p in zip(spec.names, opened, strict=True)}
+    if data_cfg.tokenizer:
+        tokenizers["data.tokenizer"] = Tokenizer.load(data_cfg.tokenizer).sha256
+    if len(set(tokenizers.values())) > 1:
+        raise DataError("the sources of a mixture must share one tokenizer, and these differ: "
+                        + ", ".join(f"{name} (tokenizer {sha[:12]})" for name, sha in tokenizers.items()))
+    log("data: mixture of " + ", ".join(f"{n} {w:.1%}" for n, w in zip(spec.names, spec.weights, strict=True))
+        + (f", then a schedule of {len(spec.schedule)} points" if spec.schedule else ""))
+    summary = {"mixture": {n: p.summary for n, p in zip(spec.names, opened, strict=True)}}
+    return PreparedData(opened[0].tokenizer, None, None, summary, spec,
+                        tuple((p.train_dir, p.val_dir) for p in opened))
+
+
 def prepare_data(data_cfg, vocab_size: int, out_dir: str | Path, log: Callable[[str], None] = print) -> PreparedData:
-    """Tokenizer and shards for `data_cfg`: used as they are when data.path is a prepared directory,
-    otherwise built from the text (and cached in `out_dir`)."""
+    """Tokenizer and shards for `data_cfg`: a mixture of prepared directories (data.sources), a
+    prepared directory used as it is, or else built from the text (and cached in `out_dir`)."""
+    if data_cfg.sources:
+        return open_mixture(data_cfg, vocab_size, log)
     if is_prepared_dir(data_cfg.path):
         return open_prepared(data_cfg.path, vocab_size, log)
     out_dir = Path(out_dir)

@@ -2,11 +2,16 @@
 
 Byte-level means every UTF-8 string maps to tokens and back exactly: the base alphabet is the
 256 bytes, so no text is ever unknown.
+
+A tokenizer imported with a Hugging Face model keeps what Hugging Face keeps beside tokenizer.json
+in tokenizer_config.json — its end-of-text token, its BOS token, its chat template — and is saved
+with that file again, so a checkpoint of it stays self-contained.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,17 +22,27 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from ultratron.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
+CONFIG_FILE = "tokenizer_config.json"  # Hugging Face's name for the settings beside tokenizer.json
+TEMPLATE_FILE = "chat_template.jinja"  # newer transformers write the chat template here
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json names tokens as strings or as {"content": ...} objects."""
+    return value.get("content") if isinstance(value, dict) else value
 
 
 class Tokenizer:
     """A thin wrapper that keeps the few things ultratron needs in one place."""
 
-    def __init__(self, hf: HFTokenizer):
+    def __init__(self, hf: HFTokenizer, eos_token: str = EOS_TOKEN, bos_token: str | None = None,
+                 chat_template: str | None = None):
         self.hf = hf
-        eos = hf.token_to_id(EOS_TOKEN)
+        eos = hf.token_to_id(eos_token)
         if eos is None:
-            raise DataError(f"tokenizer has no {EOS_TOKEN!r} token; train it with ultratron or add one")
-        self.eos_id = eos
+            raise DataError(f"tokenizer has no {eos_token!r} token; train it with ultratron or add one")
+        if bos_token is not None and hf.token_to_id(bos_token) is None:
+            raise DataError(f"tokenizer has no {bos_token!r} token, which its config names as the BOS token")
+        self.eos_id, self.eos_token, self.bos_token, self.chat_template = eos, eos_token, bos_token, chat_template
 
     @property
     def vocab_size(self) -> int:
@@ -45,6 +60,19 @@ class Tokenizer:
     def to_json(self) -> str:
         return self.hf.to_str()
 
+    def config_json(self) -> str | None:
+        """tokenizer_config.json, or None for ultratron's own tokenizers (which need none)."""
+        if self.eos_token == EOS_TOKEN and self.bos_token is None and self.chat_template is None:
+            return None
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token,
+                  "bos_token": self.bos_token, "chat_template": self.chat_template}
+        return json.dumps({k: v for k, v in config.items() if v is not None}, indent=2) + "\n"
+
+    def files(self) -> dict[str, str]:
+        """The files that make up this tokenizer (for a checkpoint directory)."""
+        config = self.config_json()
+        return {"tokenizer.json": self.to_json(), **({CONFIG_FILE: config} if config else {})}
+
     @property
     def sha256(self) -> str:
         return hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()
@@ -52,19 +80,46 @@ class Tokenizer:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json(), encoding="utf-8")
-        os.replace(tmp, path)
+        for name, text in sorted(self.files().items(), key=lambda f: f[0] == "tokenizer.json"):  # it last
+            target = path if name == "tokenizer.json" else path.with_name(name)
+            tmp = target.with_name(target.name + ".tmp")
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, target)
 
     @classmethod
-    def load(cls, path: str | Path) -> Tokenizer:
+    def load(cls, path: str | Path, eos_token: str | None = None) -> Tokenizer:
+        """tokenizer.json, with the tokenizer_config.json (and chat_template.jinja) beside it if any.
+        `eos_token` is the fallback when the config names none (e.g. from a model's config.json)."""
         path = Path(path)
         if not path.is_file():
             raise DataError(f"tokenizer file {str(path)!r} does not exist")
         try:
-            return cls(HFTokenizer.from_file(str(path)))
+            hf = HFTokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception on malformed files
             raise DataError(f"{path}: not a valid tokenizer.json ({err})") from None
+        config = cls._read_config(path.with_name(CONFIG_FILE))
+        template = config.get("chat_template")
+        if isinstance(template, list):  # several named templates: the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        if template is None and path.with_name(TEMPLATE_FILE).is_file():
+            template = path.with_name(TEMPLATE_FILE).read_text(encoding="utf-8")
+        eos = _token_text(config.get("eos_token")) or eos_token
+        if eos is None and hf.token_to_id(EOS_TOKEN) is None:
+            raise DataError(f"{path}: no end-of-text token: neither {CONFIG_FILE} nor the model's config names one, "
+                            f"and the vocabulary has no {EOS_TOKEN!r}")
+        return cls(hf, eos or EOS_TOKEN, _token_text(config.get("bos_token")), template)
+
+    @staticmethod
+    def _read_config(path: Path) -> dict:
+        if not path.is_file():
+            return {}
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise DataError(f"{path}: not valid JSON ({err})") from None
+        if not isinstance(config, dict):
+            raise DataError(f"{path}: expected a JSON object")
+        return config
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:

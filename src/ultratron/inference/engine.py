@@ -1,8 +1,10 @@
-"""Batched generation with a KV cache: prefill every prompt at once, then one token per step.
+"""Batched generation with a KV cache of per-sequence slots: prompts are prefilled, then every
+running sequence gets one token per step, and sequences join and leave between steps.
 
-Used by the HTTP server (many requests share one batch) and by the local evaluation backend.
-Each row keeps its own sampling settings (temperature, top-p, seed), stop strings and logprob
-requests; finished rows leave the batch so the rest run on a smaller one.
+Used by the HTTP server (continuous batching: `Engine` under serving's Batcher) and by the local
+evaluation backend (`run_batch`). Each row keeps its own sampling settings (temperature, top-p,
+seed), stop strings and logprob requests; finished rows leave at once, so the rest run on a
+smaller batch or make room for a waiting sequence.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ultratron.inference.kv_cache import KVCache
+from ultratron.inference.kv_cache import SlotCache
 
 
 @dataclass
@@ -121,44 +123,90 @@ class _Row:
             seq.on_text(seq, piece)
 
 
-@torch.no_grad()
+class Engine:
+    """Continuous batching: sequences join and leave the running batch at token boundaries.
+
+    Each running sequence owns a slot of the KV cache. `admit` prefills new sequences into free
+    slots (one forward over their prompts) while the others wait one step; `step` samples every
+    running sequence's next token, lets the finished ones go (their slots are reused at once) and
+    forwards the rest by one token. A scheduler around it (serving's Batcher) decides who is
+    admitted when; `run_batch` admits everything and steps until done.
+    """
+
+    def __init__(self, model, eos_id: int, decode: Callable[[list[int]], str], slots: int, capacity: int):
+        self.model, self.eos_id, self.decode = model, eos_id, decode
+        self.device = next(model.parameters()).device
+        self.cache = SlotCache(model, slots, min(capacity, model.args.max_seq_len))
+        self.rows: list[_Row] = []  # row i occupies slot i
+        self.pending: list[torch.Tensor] = []  # row i's log-probabilities for its next token
+
+    @property
+    def free(self) -> int:
+        return self.cache.slots - len(self.rows)
+
+    @torch.no_grad()
+    def admit(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Prefill `seqs` into free slots; returns those finished already (max_tokens 0)."""
+        if len(seqs) > self.free:
+            raise ValueError(f"{len(seqs)} sequences do not fit the {self.free} free slots")
+        lengths = [len(s.prompt_ids) for s in seqs]
+        if not seqs or min(lengths) == 0:
+            if seqs:
+                raise ValueError("every prompt needs at least one token")
+            return []
+        if max(lengths) > self.cache.capacity:
+            raise ValueError(f"a prompt of {max(lengths)} tokens exceeds the cache capacity {self.cache.capacity}")
+        lo = len(self.rows)
+        for slot in range(lo, lo + len(seqs)):
+            self.cache.reset(slot)
+        view = self.cache.rows(lo, lo + len(seqs))
+        tokens = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tokens[i, : lengths[i]] = torch.tensor(s.prompt_ids)
+        logp = torch.log_softmax(self.model(tokens.to(self.device), view).float(), dim=-1).cpu()
+        view.advance(torch.tensor(lengths, device=self.device))
+        for i, s in enumerate(seqs):
+            if s.params.echo:
+                s.prompt_tokens = [TokenInfo(s.prompt_ids[0], None, None)] + [
+                    TokenInfo(tok, float(logp[i, t - 1, tok]), _top(logp[i, t - 1], s.params.logprobs))
+                    for t, tok in enumerate(s.prompt_ids) if t > 0]
+            self.rows.append(_Row(s, self.eos_id, self.decode))
+            self.pending.append(logp[i, lengths[i] - 1])
+        done = [r.seq for r in self.rows[lo:] if r.seq.params.max_tokens <= 0]
+        for s in done:
+            s.finish_reason = "length"
+        self._release([i for i in range(lo, len(self.rows)) if self.rows[i].seq.finish_reason is not None])
+        return done
+
+    @torch.no_grad()
+    def step(self) -> list[Sequence]:
+        """One token for every running sequence; returns the sequences that finished."""
+        finished = [i for i, r in enumerate(self.rows) if r.push(self.pending[i])]
+        done = [self.rows[i].seq for i in finished]
+        self._release(finished)
+        if self.rows:
+            view = self.cache.rows(0, len(self.rows))
+            next_ids = torch.tensor([[r.seq.tokens[-1].id] for r in self.rows], device=self.device)
+            logp = torch.log_softmax(self.model(next_ids, view)[:, -1].float(), dim=-1).cpu()
+            view.advance(1)
+            self.pending = list(logp)
+        return done
+
+    def _release(self, rows: list[int]) -> None:
+        """Free the slots of `rows`: the last running row moves into each freed slot."""
+        for i in sorted(rows, reverse=True):
+            last = len(self.rows) - 1
+            self.cache.move(last, i)
+            self.rows[i], self.pending[i] = self.rows[last], self.pending[last]
+            self.rows.pop()
+            self.pending.pop()
+
+
 def run_batch(model, seqs: list[Sequence], eos_id: int, decode: Callable[[list[int]], str]) -> list[Sequence]:
     """Generate for every sequence at once; returns them filled in (tokens, text, finish_reason)."""
-    device = next(model.parameters()).device
-    lengths = [len(s.prompt_ids) for s in seqs]
-    if min(lengths) == 0:
-        raise ValueError("every prompt needs at least one token")
-    capacity = max(n + s.params.max_tokens for n, s in zip(lengths, seqs, strict=True))
-    cache = KVCache(model, len(seqs), min(capacity, model.args.max_seq_len))
-    tokens = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        tokens[i, : lengths[i]] = torch.tensor(s.prompt_ids)
-    logp = torch.log_softmax(model(tokens.to(device), cache).float(), dim=-1).cpu()
-    cache.advance(torch.tensor(lengths, device=device))
-    for i, s in enumerate(seqs):
-        if s.params.echo:
-            s.prompt_tokens = [TokenInfo(s.prompt_ids[0], None, None)] + [
-                TokenInfo(tok, float(logp[i, t - 1, tok]), _top(logp[i, t - 1], s.params.logprobs))
-                for t, tok in enumerate(s.prompt_ids) if t > 0]
-    last = logp[torch.arange(len(seqs)), torch.tensor(lengths) - 1]
-    rows = [_Row(s, eos_id, decode) for s in seqs]
-    for r in rows:
-        if r.seq.params.max_tokens <= 0:
-            r.seq.finish_reason = "length"
-    live = [i for i, r in enumerate(rows) if r.seq.finish_reason is None]
-    if len(live) < len(rows):
-        cache.keep(live)
-        last = last[live]
-        rows = [rows[i] for i in live]
-    while rows:
-        done = [r.push(last[j]) for j, r in enumerate(rows)]
-        keep = [j for j, d in enumerate(done) if not d]
-        if not keep:
-            break
-        if len(keep) < len(rows):
-            cache.keep(keep)
-            rows = [rows[j] for j in keep]
-        next_ids = torch.tensor([[r.seq.tokens[-1].id] for r in rows], device=device)
-        last = torch.log_softmax(model(next_ids, cache)[:, -1].float(), dim=-1).cpu()
-        cache.advance(1)
+    capacity = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs)
+    engine = Engine(model, eos_id, decode, slots=len(seqs), capacity=capacity)
+    engine.admit(seqs)
+    while engine.rows:
+        engine.step()
     return seqs

@@ -38,10 +38,12 @@ def count_params(
     vocab_size: int,
     tie_embeddings: bool,
     qk_norm: bool = False,
+    qkv_bias: bool = False,
 ) -> ParamCounts:
     head_dim = dim // n_heads
     kv_dim = n_kv_heads * head_dim
     attention = dim * dim + 2 * dim * kv_dim + dim * dim  # wq, wk, wv, wo
+    attention += (dim + 2 * kv_dim) if qkv_bias else 0  # their biases (Qwen2)
     mlp = 3 * dim * ffn_dim  # w1 (gate), w3 (up), w2 (down)
     norms = 2 * dim + (2 * head_dim if qk_norm else 0)  # attention_norm, ffn_norm (+ q_norm, k_norm)
     embedding = vocab_size * dim
@@ -65,4 +67,5 @@ def count_params_of(cfg) -> ParamCounts:
         vocab_size=cfg.vocab_size,
         tie_embeddings=cfg.tie_embeddings,
         qk_norm=getattr(cfg, "qk_norm", False),
+        qkv_bias=getattr(cfg, "qkv_bias", False),
     )

@@ -1,64 +1,138 @@
-"""One worker thread owns the model; requests queue up and run together as one batch."""
+"""One worker thread owns the model and schedules every request's sequences onto it.
+
+Continuous batching (as vLLM's scheduler does, in its simplest form): between two decode steps
+the worker admits waiting sequences into free KV-cache slots and lets finished ones go, so a
+short request that arrives while a long generation runs starts at the next token boundary and
+finishes first, instead of waiting for the whole batch. `continuous=False` is the fixed-group
+policy kept for comparison (benchmarks/serve_throughput.py): admit only when the batch is empty,
+run the group to its end.
+
+The queue of waiting sequences is bounded: `submit` raises `QueueFull` when it already holds
+`max_queue` of them, and the server answers 429, so overload turns into back-pressure at the
+client instead of an ever-growing wait.
+"""
 
 from __future__ import annotations
 
-import queue
+import os
 import threading
+from collections import deque
 from collections.abc import Callable
 
-from ultratron.inference.engine import Sequence, run_batch
+from ultratron.errors import ConfigError
+from ultratron.inference.engine import Engine, Sequence
+from ultratron.inference.kv_cache import SlotCache
+
+
+def check_kv_memory(model, slots: int, capacity: int) -> int:
+    """The bytes the KV-cache slots reserve; ConfigError when that exceeds 80 % of the device's
+    memory (GPU: free memory; CPU: physical memory), before anything is allocated."""
+    import torch
+
+    need = SlotCache.bytes_needed(model, slots, capacity)
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        have, where = torch.cuda.mem_get_info(device)[0], "free on the GPU"
+    else:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "of physical memory"
+    if need > 0.8 * have:
+        raise ConfigError(f"the KV cache of {slots} slots × {capacity} positions needs {need / 2**30:.1f} GiB, more "
+                          f"than 80% of the {have / 2**30:.1f} GiB {where}; lower --max-batch or --max-model-len")
+    return need
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound; retry later."""
 
 
 class _Job:
     def __init__(self, seqs: list[Sequence], done: Callable[[BaseException | None], None]):
         self.seqs, self.done = seqs, done
+        self.remaining = len(seqs)
+        self.failed = False
 
 
 class Batcher:
-    """Collects the sequences of every waiting request (up to `max_rows`) into one `run_batch`."""
-
-    def __init__(self, model, eos_id: int, decode: Callable[[list[int]], str], max_rows: int = 32):
-        self.model, self.eos_id, self.decode, self.max_rows = model, eos_id, decode, max_rows
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self.batches_run = 0
-        self.rows_run = 0
+    def __init__(self, model, eos_id: int, decode: Callable[[list[int]], str], max_rows: int = 32,
+                 max_queue: int = 256, capacity: int | None = None, continuous: bool = True):
+        capacity = min(capacity or model.args.max_seq_len, model.args.max_seq_len)
+        self.kv_bytes = check_kv_memory(model, max_rows, capacity)
+        self.engine = Engine(model, eos_id, decode, slots=max_rows, capacity=capacity)
+        self.max_queue, self.continuous = max_queue, continuous
+        self._cond = threading.Condition()
+        self._waiting: deque[tuple[Sequence, _Job]] = deque()
+        self._job_of: dict[int, _Job] = {}  # id(sequence) → its job, for the running ones
+        self._closed = False
+        self.steps_run = 0
         self._thread = threading.Thread(target=self._loop, name="ultratron-batcher", daemon=True)
         self._thread.start()
 
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
     def submit(self, seqs: list[Sequence], done: Callable[[BaseException | None], None]) -> None:
-        """Queue sequences; `done(error_or_None)` is called from the worker thread when they finish."""
-        self._queue.put(_Job(seqs, done))
+        """Queue sequences; `done(error_or_None)` is called from the worker thread when all have
+        finished. Raises QueueFull when `max_queue` sequences are waiting already."""
+        job = _Job(seqs, done)
+        with self._cond:
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} sequences are waiting, the most this server queues")
+            self._waiting.extend((s, job) for s in seqs)
+            self._cond.notify()
 
     def close(self) -> None:
-        self._queue.put(None)
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
         self._thread.join(timeout=10)
 
-    def _take(self) -> list[_Job] | None:
-        first = self._queue.get()
-        if first is None:
-            return None
-        jobs, rows = [first], len(first.seqs)
-        while rows < self.max_rows:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is None:
-                self._queue.put(None)
-                break
-            jobs.append(job)
-            rows += len(job.seqs)
-        return jobs
+    def _admissions(self) -> list[tuple[Sequence, _Job]]:
+        """Wait for work; then the sequences to admit now (FIFO, as many as there are free slots)."""
+        with self._cond:
+            while not self._closed and not self._waiting and not self.engine.rows:
+                self._cond.wait()
+            if self._closed:
+                return []
+            admit = []
+            if self.continuous or not self.engine.rows:
+                while self._waiting and len(admit) < self.engine.free:
+                    seq, job = self._waiting.popleft()
+                    if not job.failed:
+                        admit.append((seq, job))
+            return admit
 
     def _loop(self) -> None:
-        while (jobs := self._take()) is not None:
-            seqs = [s for job in jobs for s in job.seqs]
-            error: BaseException | None = None
+        while True:
+            admit = self._admissions()
+            if self._closed:
+                return
+            finished: list[Sequence] = []
+            if admit:
+                try:
+                    finished = self.engine.admit([s for s, _ in admit])
+                    self._job_of.update((id(s), job) for s, job in admit)
+                except Exception as err:  # a prompt the engine cannot take: only its requests fail
+                    self._fail({id(job): job for _, job in admit}, err)
             try:
-                run_batch(self.model, seqs, self.eos_id, self.decode)
-                self.batches_run += 1
-                self.rows_run += len(seqs)
-            except Exception as err:  # reported to each waiting request; the worker keeps serving
-                error = err
-            for job in jobs:
-                job.done(error)
+                if self.engine.rows:
+                    finished += self.engine.step()
+                    self.steps_run += 1
+            except Exception as err:  # reported to each request it touched; the worker keeps serving
+                self._fail({id(job): job for job in self._job_of.values()}, err)
+                self._job_of.clear()
+                self.engine.rows.clear()
+                self.engine.pending.clear()
+                continue
+            for seq in finished:
+                job = self._job_of.pop(id(seq))
+                job.remaining -= 1
+                if job.remaining == 0 and not job.failed:
+                    job.done(None)
+
+    @staticmethod
+    def _fail(jobs: dict[int, _Job], err: BaseException) -> None:
+        for job in jobs.values():
+            if not job.failed:
+                job.failed = True
+                job.done(err)

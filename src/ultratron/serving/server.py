@@ -13,29 +13,16 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ultratron.data.tokenizer import EOS_TOKEN
 from ultratron.inference.engine import SamplingParams, Sequence, TokenInfo
-from ultratron.serving.batcher import Batcher
-
-ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool", "developer": "System"}
-
-
-def chat_prompt(messages: list[dict]) -> str:
-    """The chat template: one '### Role' block per message, then the assistant's turn.
-    The tokenizer is plain byte-level BPE, so the template is plain text too."""
-    parts = [f"### {ROLES.get(m['role'], m['role'].title())}\n{m['content']}\n\n" for m in messages]
-    return "".join(parts) + "### Assistant\n"
-
-
-CHAT_STOP = "\n###"
+from ultratron.serving.batcher import Batcher, QueueFull
+from ultratron.serving.chat import TemplateError, chat_prompt, chat_stops
+from ultratron.serving.requests import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 
 @dataclass
@@ -44,7 +31,10 @@ class ServerLimits:
     max_prompts: int = 64
     max_n: int = 8
     max_logprobs: int = 20
-    max_batch_rows: int = 32
+    max_batch_rows: int = 32  # KV-cache slots: sequences generated together
+    max_queue: int = 256  # waiting sequences before requests get 429
+    continuous: bool = True  # continuous batching; False: fixed groups (for comparison)
+    max_model_len: int | None = None  # longest prompt + completion (default: the model's context)
 
 
 class APIError(Exception):
@@ -60,79 +50,6 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(error_body(err.message, err.type, err.param, err.code), status_code=err.status)
-
-
-# torch.Generator takes seeds in [-2**63, 2**64); n > 1 adds up to max_n - 1 to the request's seed.
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
-
-
-def _valid_text(value):
-    """Text must be encodable Unicode: JSON's "\\ud800" escape yields a lone surrogate, which no
-    tokenizer can encode (it would fail deep inside generation, as a server error)."""
-    for text in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
-        if isinstance(text, str):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise ValueError(f"contains a lone surrogate ({text[err.start]!r} at character {err.start}), "
-                                 "which is not valid Unicode text") from None
-    return value
-
-
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, penalties...) are accepted
-
-
-class CompletionRequest(_Open):
-    model: str
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1)
-    stream: bool = False
-    logprobs: int | None = Field(None, ge=0)
-    echo: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-
-
-    text_is_unicode = field_validator("prompt", "stop")(_valid_text)
-
-
-class ChatMessage(_Open):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-    text_is_unicode = field_validator("content")(_valid_text)
-
-
-class ChatRequest(_Open):
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1)
-    stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
-    text_is_unicode = field_validator("stop")(_valid_text)
-
-
-class TokenizeRequest(_Open):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    text_is_unicode = field_validator("prompt")(_valid_text)
-
-
-class DetokenizeRequest(_Open):
-    model: str | None = None
-    tokens: list[int]
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -151,10 +68,11 @@ class Server:
                  limits: ServerLimits | None = None):
         self.model, self.tokenizer, self.model_name, self.api_key = model, tokenizer, model_name, api_key
         self.limits = limits or ServerLimits()
-        self.context = model.args.max_seq_len
+        self.context = min(model.args.max_seq_len, self.limits.max_model_len or model.args.max_seq_len)
         self.vocab_size = model.args.vocab_size
         self.created = int(time.time())
-        self.batcher = Batcher(model, tokenizer.eos_id, tokenizer.decode, self.limits.max_batch_rows)
+        self.batcher = Batcher(model, tokenizer.eos_id, tokenizer.decode, self.limits.max_batch_rows,
+                               self.limits.max_queue, self.context, self.limits.continuous)
 
     # ---- helpers ---------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -207,6 +125,19 @@ class Server:
             return [start for start, _ in self.tokenizer.hf.encode(text, add_special_tokens=False).offsets]
         return [len(self.tokenizer.decode(ids[:i])) for i in range(len(ids))]
 
+    def submit(self, seqs: list[Sequence], done) -> None:
+        try:
+            self.batcher.submit(seqs, done)
+        except QueueFull as err:
+            raise APIError(429, f"The server is at capacity ({err}); retry later.", type_="rate_limit_error",
+                           code="queue_full") from None
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        try:
+            return chat_prompt(messages, self.tokenizer)
+        except TemplateError as err:
+            raise APIError(400, str(err), param="messages") from None
+
     async def run(self, seqs: list[Sequence]) -> None:
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
@@ -214,7 +145,7 @@ class Server:
         def done(error):
             loop.call_soon_threadsafe(lambda: future.done() or future.set_result(error))
 
-        self.batcher.submit(seqs, done)
+        self.submit(seqs, done)
         error = await future
         if error is not None:
             raise APIError(500, f"generation failed: {type(error).__name__}: {error}", type_="server_error")
@@ -307,7 +238,7 @@ def create_app(server: Server) -> FastAPI:
             for k in range(req.n):
                 params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                         seed=None if req.seed is None else req.seed + k, stop=_stops(req.stop),
-                                        logprobs=req.logprobs, echo=req.echo)
+                                        logprobs=req.logprobs, echo=req.echo, ignore_eos=req.ignore_eos)
                 seqs.append(Sequence(ids, params))
                 where.append(p)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -340,7 +271,7 @@ def create_app(server: Server) -> FastAPI:
         top = req.top_logprobs or 0
         if top > limits.max_logprobs:
             raise APIError(400, f"top_logprobs must be at most {limits.max_logprobs}", param="top_logprobs")
-        ids = server.tokenizer.encode(chat_prompt([m.model_dump() for m in req.messages]))
+        ids = server.tokenizer.encode(server.chat_prompt([m.model_dump() for m in req.messages]))
         requested = req.max_completion_tokens or req.max_tokens
         if len(ids) >= server.context:
             server.check_length(len(ids), requested or 1, "messages")
@@ -348,8 +279,8 @@ def create_app(server: Server) -> FastAPI:
         server.check_length(len(ids), max_tokens, "messages")
         seqs = [Sequence(ids, SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                              seed=None if req.seed is None else req.seed + k,
-                                             stop=_stops(req.stop) + (CHAT_STOP,),
-                                             logprobs=top if req.logprobs else None))
+                                             stop=_stops(req.stop) + chat_stops(server.tokenizer),
+                                             logprobs=top if req.logprobs else None, ignore_eos=req.ignore_eos))
                 for k in range(req.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
@@ -367,7 +298,7 @@ def create_app(server: Server) -> FastAPI:
             server.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-        text = req.prompt if req.prompt is not None else chat_prompt([m.model_dump() for m in req.messages])
+        text = req.prompt if req.prompt is not None else server.chat_prompt([m.model_dump() for m in req.messages])
         tokens = server.tokenizer.encode(text)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": server.context}
 
@@ -382,9 +313,11 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
-        return {"eos_token": EOS_TOKEN, "eos_token_id": server.tokenizer.eos_id, "bos_token": None,
-                "pad_token": EOS_TOKEN, "model_max_length": server.context, "vocab_size": server.vocab_size,
-                "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": "### {Role}\\n{content}\\n\\n"}
+        tok = server.tokenizer
+        return {"eos_token": tok.eos_token, "eos_token_id": tok.eos_id, "bos_token": tok.bos_token,
+                "pad_token": tok.eos_token, "model_max_length": server.context, "vocab_size": server.vocab_size,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": tok.chat_template or "### {Role}\\n{content}\\n\\n"}
 
     return app
 
@@ -397,14 +330,19 @@ def _response(rid, obj, created, model, choices, prompts, seqs, n) -> dict:
                       "total_tokens": prompt_tokens + completion_tokens}}
 
 
-async def _stream(server: Server, seqs: list[Sequence], rid: str, created: int, model: str, obj: str):
+def _stream(server: Server, seqs: list[Sequence], rid: str, created: int, model: str, obj: str):
+    """Submit now (so a full queue is still a 429 response), then stream the events."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    index = {id(s): i for i, s in enumerate(seqs)}
     for s in seqs:
         s.on_text = lambda seq, piece: loop.call_soon_threadsafe(events.put_nowait, ("text", seq, piece))
-    server.batcher.submit(seqs, lambda error: loop.call_soon_threadsafe(events.put_nowait, ("done", error, None)))
+    server.submit(seqs, lambda error: loop.call_soon_threadsafe(events.put_nowait, ("done", error, None)))
+    return _events(seqs, events, rid, created, model, obj)
+
+
+async def _events(seqs, events: asyncio.Queue, rid: str, created: int, model: str, obj: str):
     chat = obj == "chat.completion.chunk"
+    index = {id(s): i for i, s in enumerate(seqs)}
 
     def chunk(i: int, piece: str | None, finish: str | None, first: bool = False) -> dict:
         if chat:

@@ -10,10 +10,18 @@ is logged, the previous checkpoint stays the one `latest` names, and the next in
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from ultratron.checkpoint.manager import Checkpointer, ModelState, SaveOutcome
+from ultratron.checkpoint.manager import (
+    Checkpointer,
+    ModelState,
+    SaveOutcome,
+    holds_run_state,
+    resolve_checkpoint_dir,
+)
 from ultratron.checkpoint.storage import Location
+from ultratron.data.tokenizer import Tokenizer
 from ultratron.errors import CheckpointError, CheckpointStorageError
 from ultratron.training.metrics import truncate_metrics
 from ultratron.training.state import TrainState
@@ -28,6 +36,7 @@ class CheckpointPolicy:
                  files, log):
         c = cfg.checkpoint
         self.interval, self.resume_from = c.interval, c.resume
+        self.init_from = cfg.model.init_from
         self.run_dir, self.is_main, self.log = run_dir, is_main, log
         self.checkpointer = Checkpointer(checkpoint_root(cfg, run_dir), keep=c.keep, endpoint=c.endpoint or None,
                                          asynchronous=c.async_save, log=log)
@@ -50,16 +59,19 @@ class CheckpointPolicy:
                 raise CheckpointError(
                     f"checkpoint.dir {str(self.storage)!r} already holds checkpoints (latest: {existing}); "
                     "pass --checkpoint.resume auto to continue that run, or choose a new --run.dir")
-            self._trim_metrics(-1)  # drop records of an earlier attempt
+            self._fresh_start()
             return
         if self.resume_from == "auto":
             path = self.checkpointer.newest_verified()
             if path is None:
                 self._nothing_to_resume()
                 return
-            ckpt = self.checkpointer.load(path, self.model_state, self.train_state, verified=True)
         else:
-            ckpt = self.checkpointer.load(self.resume_from, self.model_state, self.train_state)
+            path = self.resume_from
+        if not holds_run_state(path, self.storage if self.resume_from == "auto" else None):
+            self._fresh_start(path)  # weights only (an import): where a run starts, not one to resume
+            return
+        ckpt = self.checkpointer.load(path, self.model_state, self.train_state, verified=self.resume_from == "auto")
         self.last = ckpt
         self._trim_metrics(self.train_state.step)
         self.log(f"checkpoint: resumed from {ckpt} at step {self.train_state.step}")
@@ -71,7 +83,16 @@ class CheckpointPolicy:
                 f"checkpoint.dir {str(self.storage)!r} holds only checkpoints that failed verification "
                 f"({', '.join(corrupt)}); delete them to start this run over, or inspect them first")
         self.log("checkpoint: resume=auto found no checkpoint; starting from step 0")
-        self._trim_metrics(-1)
+        self._fresh_start()
+
+    def _fresh_start(self, weights=None) -> None:
+        """Step 0: the weights of `weights` or model.init_from if given (no optimizer state, no run state)."""
+        self._trim_metrics(-1)  # drop records of an earlier attempt
+        weights = weights or self.init_from
+        if weights is not None:
+            ckpt = self.checkpointer.load(weights, ModelState(self.model_state.model))
+            self.log(f"checkpoint: starting at step 0 from the weights of {ckpt}")
+
 
     def _trim_metrics(self, last_step: int) -> None:
         if self.is_main:
@@ -97,6 +118,7 @@ class CheckpointPolicy:
         if outcome.error is None:
             self.last = outcome.location
             self.log(f"checkpoint: saved step {outcome.step} to {outcome.location}")
+            self.log.event("checkpoint", outcome.step, path=str(outcome.location))  # for the trackers (W&B)
             return outcome
         self.failed_saves += 1
         if outcome.fatal:
@@ -126,3 +148,18 @@ class CheckpointPolicy:
         if outcome is not None and outcome.error is None:
             self.log(f"checkpoint: saved step {outcome.step} to {outcome.location}")
         self.checkpointer.close()
+
+
+def with_init_tokenizer(data_cfg, init_from: str | None):
+    """The data config with model.init_from's tokenizer: the weights' embeddings are its tokens.
+    An explicit data.tokenizer must be that same tokenizer."""
+    if init_from is None:
+        return data_cfg
+    ckpt = resolve_checkpoint_dir(init_from)
+    own = ckpt / "tokenizer.json"
+    if data_cfg.tokenizer is None:
+        return dataclasses.replace(data_cfg, tokenizer=str(own))
+    if Tokenizer.load(data_cfg.tokenizer).sha256 != Tokenizer.load(own).sha256:
+        raise CheckpointError(f"data.tokenizer {data_cfg.tokenizer} is not the tokenizer of model.init_from ({own}), "
+                              "whose tokens the weights were trained on; leave data.tokenizer unset")
+    return data_cfg

@@ -1,5 +1,5 @@
 """How a run reports: messages to the console and RUN/train.log, one metrics record per step to
-metrics.jsonl (and TensorBoard), and progress — a tqdm bar on a terminal, plain log lines every
+metrics.jsonl (and TensorBoard, Weights & Biases), and progress — a tqdm bar on a terminal, plain log lines every
 `training.log_interval` steps otherwise (CI, nohup, Slurm logs), so a log file holds no `\\r` frames.
 Only rank 0 reports; the other ranks' reporter drops everything."""
 
@@ -13,13 +13,13 @@ from ultratron.training.metrics import MetricsWriter, RunLog
 
 class Reporter:
     def __init__(self, run_dir: Path, *, is_main: bool, tensorboard: bool, progress: bool, log_interval: int,
-                 echo: bool = True):
+                 echo: bool = True, run_cfg=None, config: dict | None = None):
         self.active = is_main
         self._run_dir = run_dir
         self.log_interval = log_interval
         self.use_bar = progress and echo and sys.stderr.isatty()
         self._log = RunLog(run_dir, echo=echo) if is_main else None
-        self._metrics = MetricsWriter(run_dir, tensorboard=tensorboard) if is_main else None
+        self._metrics = MetricsWriter(run_dir, tensorboard, run_cfg, config) if is_main else None
         self._bar = None
 
     def __call__(self, message: str) -> None:
@@ -42,6 +42,11 @@ class Reporter:
         """Forget the metrics records after `last_step` (steps a rollback discards)."""
         if self._metrics is not None:
             self._metrics.rewind(self._run_dir, last_step)
+
+    def event(self, kind: str, step: int, **data) -> None:
+        """A run event (a saved checkpoint, ...) for the trackers that show events."""
+        if self._metrics is not None:
+            self._metrics.event(kind, step, **data)
 
     def step(self, record: dict) -> None:
         """A training step's record: written, and shown as progress."""

@@ -17,9 +17,8 @@ import torch
 
 from ultratron.checkpoint.manager import ModelState
 from ultratron.config import Config, to_dict, to_toml
-from ultratron.data.loader import TokenLoader
+from ultratron.data.mixture import open_loader
 from ultratron.data.prepare import prepare_data
-from ultratron.data.shards import ShardSet
 from ultratron.errors import DeviceError
 from ultratron.models.llama import build_model
 from ultratron.models.sampling import generate
@@ -29,7 +28,7 @@ from ultratron.parallel.grads import clip_grad_norm
 from ultratron.parallel.parallelize import parallelize
 from ultratron.planning.flops import training_flops_per_token
 from ultratron.planning.params import count_params_of
-from ultratron.training.checkpointing import CheckpointPolicy
+from ultratron.training.checkpointing import CheckpointPolicy, with_init_tokenizer
 from ultratron.training.health import HealthMonitor
 from ultratron.training.mfu import MfuMeter
 from ultratron.training.optim import build_optimizer, lr_at, set_lr
@@ -69,7 +68,8 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log = Reporter(self.run_dir, is_main=self.dims.is_main, tensorboard=cfg.run.tensorboard,
-                            progress=t.progress, log_interval=t.log_interval, echo=echo)
+                            progress=t.progress, log_interval=t.log_interval, echo=echo, run_cfg=cfg.run,
+                            config=to_dict(cfg))
         if t.threads > 0:
             torch.set_num_threads(t.threads)
         self.device = self.dims.init_distributed(pick_device(t.device))
@@ -78,20 +78,21 @@ class Trainer:
         torch.manual_seed(t.seed)
 
         data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "data"
-        self.data = self.dims.main_first(lambda: prepare_data(cfg.data, cfg.model.vocab_size, data_dir, log=self.log))
+        data_cfg = with_init_tokenizer(cfg.data, cfg.model.init_from)
+        self.data = self.dims.main_first(lambda: prepare_data(data_cfg, cfg.model.vocab_size, data_dir, log=self.log))
         self.tokenizer = self.data.tokenizer
-        self.train_loader = TokenLoader(ShardSet.open(self.data.train_dir), seq_len=t.seq_len,
-                                        micro_batch_size=t.micro_batch_size, dp_rank=self.dims.dp_rank,
-                                        dp_world=cfg.parallel.dp, seed=t.seed)
+        self.train_loader = open_loader(self.data, "train", seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
+                                        dp_rank=self.dims.dp_rank, dp_world=cfg.parallel.dp, seed=t.seed,
+                                        exhausted=cfg.data.exhausted)
 
         self.model = parallelize(build_model(cfg.model, self.device), self.dims, cfg)
         self.optimizer = wrap_optimizer(build_optimizer(self.model, cfg.optim), self.dims)
         self.strategy = GradAccumStep(self.model, self.dims, self.device, t.precision, t.z_loss)
         self.state = TrainState(self.train_loader, to_dict(cfg))
-        self.validator = Validator(ShardSet.open(self.data.val_dir) if self.data.val_dir else None,
-                                   interval=cfg.eval.interval, batches=cfg.eval.batches, seq_len=t.seq_len,
-                                   micro_batch_size=t.micro_batch_size, seed=t.seed,
-                                   eval_loss=self.strategy.eval_loss)
+        self.validator = Validator(lambda: open_loader(self.data, "val", seq_len=t.seq_len,
+                                                       micro_batch_size=t.micro_batch_size, seed=t.seed),
+                                   interval=cfg.eval.interval, batches=cfg.eval.batches,
+                                   micro_batch_size=t.micro_batch_size, eval_loss=self.strategy.eval_loss)
         self.checkpoints = CheckpointPolicy(cfg, self.run_dir, self.dims.is_main,
                                             ModelState(self.model, self.optimizer), self.state, self.files, self.log)
         self.guard = StabilityGuard(cfg, self.checkpoints, self.train_loader, self.log)
@@ -110,7 +111,7 @@ class Trainer:
 
     def files(self) -> dict[str, str]:
         """What makes a checkpoint self-contained besides its tensors."""
-        return {"config.toml": to_toml(self.cfg), "tokenizer.json": self.tokenizer.to_json()}
+        return {"config.toml": to_toml(self.cfg), **self.tokenizer.files()}
 
     # ---- the loop ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -162,7 +163,8 @@ class Trainer:
         tokens_per_sec = cfg.training.batch_tokens / elapsed
         return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                 "tokens": self.step * cfg.training.batch_tokens, "tokens_per_sec": tokens_per_sec,
-                "step_time": elapsed, "mfu": self.mfu(tokens_per_sec)} | ({"skipped": 1} if skipped else {})
+                "step_time": elapsed, "mfu": self.mfu(tokens_per_sec), **self.train_loader.metrics()} | (
+                    {"skipped": 1} if skipped else {})
 
     def _validate(self, record_alone: bool = False) -> float | None:
         """The validation loss, logged (at step 0 also written as a metrics record of its own)."""

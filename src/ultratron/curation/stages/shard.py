@@ -10,7 +10,6 @@ the token lists).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from ultratron.curation.frame import StageContext, iter_records
@@ -92,9 +91,8 @@ def run(ctx: StageContext) -> dict:
     if not (source / TOKENIZER_FILE).is_file():
         raise DataError(f"{source}: no {TOKENIZER_FILE}; run the 'tokenize' stage first "
                         "and give its output as --input")
-    if not (ctx.out_dir / TOKENIZER_FILE).is_file():
-        shutil.copyfile(source / TOKENIZER_FILE, ctx.out_dir / (TOKENIZER_FILE + ".tmp"))
-        (ctx.out_dir / (TOKENIZER_FILE + ".tmp")).replace(ctx.out_dir / TOKENIZER_FILE)
+    if not (ctx.out_dir / TOKENIZER_FILE).is_file():  # with its tokenizer_config.json, if it has one
+        Tokenizer.load(source / TOKENIZER_FILE).save(ctx.out_dir / TOKENIZER_FILE)
     tokenizer = Tokenizer.load(ctx.out_dir / TOKENIZER_FILE)
     parts = ctx.parts()
     parquet_files = []

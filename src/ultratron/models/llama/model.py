@@ -1,8 +1,9 @@
 """A Llama-style decoder in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
 Options beyond Llama 3: QK-norm (RMSNorm on queries and keys per head, as in OLMo 2 / Gemma 3),
-attention-logit and final-logit soft-capping (Gemma 2: cap · tanh(x / cap)). This module knows
-nothing about parallelism; `ultratron.parallel` applies it from outside.
+attention-logit and final-logit soft-capping (Gemma 2: cap · tanh(x / cap)), biases on the q/k/v
+projections (Qwen2), and RoPE frequency scaling (`linear`, Llama 3.1's `llama3`) for imported
+models. This module knows nothing about parallelism; `ultratron.parallel` applies it from outside.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class LlamaArgs:
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     init_std: float = 0.02
+    qkv_bias: bool = False
+    rope_scaling: str = "none"  # none | linear | llama3
+    rope_scaling_params: dict | None = None  # factor; llama3: low/high_freq_factor, original_max_position_embeddings
 
     @classmethod
     def from_config(cls, model_cfg) -> LlamaArgs:
@@ -56,9 +60,34 @@ class RMSNorm(nn.Module):
         return (normed * self.weight.float()).type_as(x)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_frequencies(inv_freq: torch.Tensor, kind: str, params: dict | None) -> torch.Tensor:
+    """RoPE frequency scaling for contexts longer than pre-training's. `linear` (Chen et al. 2023,
+    position interpolation) divides every frequency by `factor`; `llama3` (Meta's Llama 3.1
+    reference code) divides only the low frequencies — wavelengths longer than
+    original_max_position_embeddings / low_freq_factor — keeps those shorter than
+    original / high_freq_factor, and blends linearly in between."""
+    if kind == "none":
+        return inv_freq
+    params = params or {}
+    factor = float(params["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    if kind != "llama3":
+        raise ValueError(f"unknown RoPE scaling {kind!r}")
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    original = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(wavelen > original / low, inv_freq / factor,
+                       torch.where(wavelen < original / high, inv_freq, blended))
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, scaling: str = "none",
+                scaling_params: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape (max_seq_len, head_dim / 2) for rotary position embeddings (Su et al. 2021)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    inv_freq = scale_frequencies(inv_freq, scaling, scaling_params)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -103,9 +132,9 @@ class Attention(nn.Module):
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
         self.softcap = args.attn_softcap
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         if args.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
@@ -184,7 +213,8 @@ class Llama(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling,
+                               args.rope_scaling_params)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
@@ -198,6 +228,8 @@ class Llama(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
             elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
                 nn.init.normal_(param, mean=0.0, std=residual_std)
             else:

@@ -1,0 +1,202 @@
+"""Continuous batching: a short request that arrives while a 512-token generation runs finishes
+first (and the fixed-group policy, for contrast, makes it wait); joining and leaving leave every
+sequence's tokens as they would be alone; a full queue answers 429; the tokenizer's chat template."""
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from ultratron.inference.engine import SamplingParams, Sequence, run_batch
+from ultratron.models.llama import Llama, LlamaArgs
+from ultratron.serving.batcher import Batcher
+
+LONG = 512
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    args = LlamaArgs(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=300,
+                     max_seq_len=LONG + 16)
+    return Llama(args).eval()
+
+
+def _decode(ids):
+    return " ".join(map(str, ids))
+
+
+def _race(model, continuous: bool):
+    """Start a 512-token generation, send a short request once it runs; the order they finish in."""
+    batcher = Batcher(model, eos_id=0, decode=_decode, max_rows=4, continuous=continuous)
+    order, finished = [], threading.Event()
+    long = Sequence([1, 2, 3], SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True))
+    short = Sequence([7, 8], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    batcher.submit([long], lambda err: (order.append(("long", err, len(short.tokens))), finished.set()))
+    while len(long.tokens) < 8:  # the long generation is running
+        time.sleep(0.001)
+    batcher.submit([short], lambda err: order.append(("short", err, len(long.tokens))))
+    assert finished.wait(120)
+    deadline = time.monotonic() + 60
+    while len(order) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    batcher.close()
+    return order, long, short
+
+
+def test_a_short_request_finishes_while_a_long_generation_runs(model):
+    order, long, short = _race(model, continuous=True)
+    (first, err1, long_tokens_then), (second, err2, _) = order
+    assert (first, second) == ("short", "long") and err1 is None and err2 is None
+    assert len(short.tokens) == 4 and len(long.tokens) == LONG
+    assert long_tokens_then < LONG // 4  # it joined at a token boundary, early in the long run
+    # joining and leaving the batch changed nobody's tokens: each equals its generation alone
+    alone = [Sequence(s.prompt_ids, s.params) for s in (long, short)]
+    for seq in alone:
+        run_batch(model, [seq], eos_id=0, decode=_decode)
+    assert alone[0].token_ids == long.token_ids and alone[1].token_ids == short.token_ids
+
+
+def test_fixed_groups_make_the_short_request_wait(model):
+    order, long, short = _race(model, continuous=False)
+    assert [name for name, _, _ in order] == ["long", "short"]
+    assert order[1][2] == LONG  # the short one started only after the long one ended
+
+
+def test_rows_leave_and_join_in_any_order(model):
+    """Many sequences of mixed lengths through 3 slots: every one equals its solo generation."""
+    batcher = Batcher(model, eos_id=0, decode=_decode, max_rows=3)
+    seqs = [Sequence([i + 1, 2 * i + 3], SamplingParams(max_tokens=3 + (7 * i) % 11, temperature=0.8, seed=i,
+                                                      ignore_eos=True)) for i in range(10)]
+    done = threading.Semaphore(0)
+    for s in seqs:
+        batcher.submit([s], lambda err: done.release())
+    for _ in seqs:
+        assert done.acquire(timeout=60)
+    batcher.close()
+    for s in seqs:
+        alone = Sequence(s.prompt_ids, s.params)
+        run_batch(model, [alone], eos_id=0, decode=_decode)
+        assert alone.token_ids == s.token_ids and len(s.tokens) == s.params.max_tokens
+
+
+# ---- over HTTP ------------------------------------------------------------------------------
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def http(model, small_corpus):
+    """An in-process server with one slot and room for one waiting sequence; its tokenizer has a
+    chat template (as an imported model's does)."""
+    import uvicorn
+
+    from ultratron.data.tokenizer import Tokenizer, train_tokenizer
+    from ultratron.serving.server import Server, ServerLimits, create_app
+
+    texts = [p.read_text() for p in sorted(small_corpus.glob("*.py"))[:4]]
+    base = train_tokenizer(texts, 300)
+    tokenizer = Tokenizer(base.hf, chat_template=TEMPLATE)
+    server = Server(model, tokenizer, limits=ServerLimits(max_batch_rows=1, max_queue=1))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.05)
+    yield url, server, tokenizer
+    uv.should_exit = True
+    thread.join(timeout=10)
+
+
+def _post(url, path, body):
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_a_full_queue_answers_429_and_the_queued_requests_still_finish(http):
+    url, server, _ = http
+    body = {"model": "ultratron", "prompt": "def f(", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    results = {}
+    run = threading.Thread(target=lambda: results.setdefault("running", _post(url, "/v1/completions", body)))
+    run.start()
+    while not server.batcher.engine.rows:
+        time.sleep(0.002)
+    queued = threading.Thread(target=lambda: results.setdefault(
+        "queued", _post(url, "/v1/completions", {**body, "max_tokens": 3})))
+    queued.start()
+    while server.batcher.waiting < 1:
+        time.sleep(0.002)
+    status, text = _post(url, "/v1/completions", {**body, "max_tokens": 2})
+    assert status == 429 and json.loads(text)["error"]["code"] == "queue_full"
+    status, _ = _post(url, "/v1/completions", {**body, "max_tokens": 2, "stream": True})
+    assert status == 429  # a stream is refused before it starts, not mid-way
+    run.join(120)
+    queued.join(120)
+    assert results["running"][0] == 200 and results["queued"][0] == 200
+    assert json.loads(results["running"][1])["usage"]["completion_tokens"] == 400
+    assert _post(url, "/v1/completions", {**body, "max_tokens": 2})[0] == 200  # room again
+
+
+def test_the_tokenizers_chat_template_is_used(http):
+    url, _, tokenizer = http
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def add"}]
+    status, text = _post(url, "/tokenize", {"messages": messages})
+    assert status == 200
+    want = tokenizer.encode("<|system|>Be brief.<|user|>def add<|assistant|>")
+    assert json.loads(text)["tokens"] == want
+    status, text = _post(url, "/v1/chat/completions", {"model": "ultratron", "messages": messages, "max_tokens": 5,
+                                                       "temperature": 0})
+    reply = json.loads(text)
+    assert status == 200 and reply["usage"]["prompt_tokens"] == len(want)
+    info = json.loads(urllib.request.urlopen(url + "/tokenizer_info", timeout=10).read())
+    assert info["chat_template"] == TEMPLATE
+
+
+def test_a_template_that_raises_is_a_400_and_no_template_is_the_plain_one():
+    from ultratron.serving.chat import TemplateError, chat_prompt
+
+    class Tok:
+        chat_template = "{{ raise_exception('roles must alternate') }}"
+        bos_token, eos_token = None, "</s>"
+
+    with pytest.raises(TemplateError, match="roles must alternate"):
+        chat_prompt([{"role": "user", "content": "x"}], Tok())
+    Tok.chat_template = None
+    assert chat_prompt([{"role": "user", "content": "x"}], Tok()) == "### User\nx\n\n### Assistant\n"
+    assert chat_prompt([{"role": "user", "content": "x"}]) == "### User\nx\n\n### Assistant\n"  # no tokenizer
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(model):
+    from ultratron.errors import ConfigError
+    from ultratron.serving.batcher import check_kv_memory
+    from ultratron.serving.server import Server, ServerLimits
+
+    assert check_kv_memory(model, 4, 100) == 2 * 2 * 4 * 2 * 100 * 8 * 4  # K and V, layers, slots, kv heads, pos, dim
+    with pytest.raises(ConfigError, match="KV cache of 100000000 slots × 528 positions needs .* lower --max-batch"):
+        check_kv_memory(model, 10**8, LONG + 16)
+
+    class Tok:
+        eos_id, decode = 0, staticmethod(_decode)
+
+    server = Server(model, Tok(), limits=ServerLimits(max_batch_rows=2, max_model_len=64))
+    assert server.context == 64 and server.batcher.engine.cache.capacity == 64
+    server.batcher.close()
