@@ -1,0 +1,157 @@
+"""The pipeline's output is a function of its input and config alone: the same bytes in every
+stage for 1, 2 or 3 workers.
+
+The corpus plants work for every stage across parts (parts of 8 documents): exact copies,
+near copies, a boilerplate span shared by documents in different parts, and documents the
+filters drop.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from ultratron.curation.config import from_dict
+from ultratron.curation.runner import run_pipeline
+
+VOCAB_SEED = 7
+STOP = "the of and to a in that is was with for it as on be at by have".split()
+BOILERPLATE = ("This article is distributed under the terms of the community licence, version four; you may share "
+               "and adapt it for any purpose, provided that you give appropriate credit and indicate changes.")
+
+
+def _prose(rng: random.Random, vocab: list[str], lines: int) -> list[str]:
+    """Lines of one or two sentences of stop words and invented words: they pass every filter group."""
+    out = []
+    for _ in range(lines):
+        sentences = []
+        for _ in range(rng.randint(1, 2)):
+            words = [rng.choice(STOP) if rng.random() < 0.4 else rng.choice(vocab) for _ in range(rng.randint(8, 16))]
+            sentences.append(" ".join(words).capitalize() + ".")
+        out.append(" ".join(sentences))
+    return out
+
+
+def make_corpus(path: Path) -> dict[str, set[str]]:
+    """A JSONL corpus (85 documents) with planted duplicates; returns the planted ids by kind."""
+    rng = random.Random(VOCAB_SEED)
+    vocab = ["".join(rng.choice("abcdefghiklmnoprstuvwy") for _ in range(rng.randint(3, 9))) for _ in range(3000)]
+    docs = [{"id": f"u{k:02d}", "text": "\n".join(_prose(rng, vocab, rng.randint(10, 16)))} for k in range(74)]
+    planted: dict[str, set[str]] = {"exact": set(), "near": set(), "near_survivors": set(), "boilerplate": set()}
+    inserts = []
+    for k, source in enumerate((3, 10, 21)):  # exact copies, several parts later
+        inserts.append((source + 20 + 9 * k, {"id": f"exact{k}", "text": docs[source]["text"]}))
+        planted["exact"].add(f"exact{k}")
+    for k, source in enumerate((1, 12, 30, 44, 58, 60)):  # near copies: 2 % of the words replaced
+        words = docs[source]["text"].split(" ")
+        for i in rng.sample(range(len(words)), len(words) // 50):
+            words[i] = rng.choice(vocab)
+        inserts.append((source + 8 + 5 * k, {"id": f"near{k}", "text": " ".join(words)}))
+        planted["near"].add(f"near{k}")
+        planted["near_survivors"].add(docs[source]["id"])
+    for k in range(5):  # one boilerplate paragraph in documents of five different parts
+        doc = docs[2 + 15 * k]
+        doc["text"] += "\n\n" + BOILERPLATE
+        planted["boilerplate"].add(doc["id"])
+    # documents the filters drop: too few words (Gopher quality), placeholder text (C4)
+    inserts.append((35, {"id": "short0", "text": _prose(rng, vocab, 1)[0]}))
+    inserts.append((65, {"id": "lorem0", "text": "\n".join(_prose(rng, vocab, 8) + ["Lorem ipsum dolor sit amet."])}))
+    planted["filtered"] = {"short0", "lorem0"}
+    for at, doc in sorted(inserts, key=lambda item: item[0], reverse=True):
+        docs.insert(at, doc)
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
+    return planted
+
+
+def config(src: Path, out: Path, workers: int) -> dict:
+    return {"pipeline": {"input": str(src), "output": str(out), "workers": workers, "docs_per_part": 8,
+                         "progress": False},
+            "tokenize": {"vocab_size": 320, "train_bytes": 60_000},
+            "shard": {"held_out_fraction": 0.2, "tokens_per_shard": 4000}}
+
+
+# Bookkeeping that may differ between equal runs: timings, process ids, the run's own paths
+# and worker count. Everything else is compared byte for byte.
+VOLATILE = {"seconds", "pid", "wall_seconds", "part_seconds", "workers"}
+
+
+def _scrub(obj, out: str):
+    if isinstance(obj, dict):
+        return {k: _scrub(v, out) for k, v in obj.items() if k not in VOLATILE}
+    if isinstance(obj, list):
+        return [_scrub(v, out) for v in obj]
+    return obj.replace(out, "OUT") if isinstance(obj, str) else obj
+
+
+def is_temp(path: Path) -> bool:
+    return ".tmp" in path.name
+
+
+def snapshot(out: Path) -> dict[str, bytes]:
+    """Every finished file under `out` (temporary files left by a kill excluded): bytes, with the
+    bookkeeping JSON (stats, _DONE, config, report) scrubbed of VOLATILE fields."""
+    files = {}
+    for path in sorted(out.rglob("*")):
+        if not path.is_file() or is_temp(path):
+            continue
+        rel = str(path.relative_to(out))
+        data = path.read_bytes()
+        if path.suffix == ".json" and (path.parent.name == "_stats" or path.name in
+                                       ("_DONE.json", "config.json", "report.json")):
+            data = json.dumps(_scrub(json.loads(data), str(out)), sort_keys=True).encode()
+        files[rel] = data
+    return files
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The corpus, its planted ids and an uninterrupted one-worker run's snapshot."""
+    root = tmp_path_factory.mktemp("same-output")
+    planted = make_corpus(root / "corpus.jsonl")
+    run_pipeline(from_dict(config(root / "corpus.jsonl", root / "ref", 1)), log=lambda _: None)
+    return root, planted, snapshot(root / "ref")
+
+
+def _decisions(snap: dict[str, bytes], stage_dir: str) -> list[dict]:
+    return [json.loads(line) for rel, data in sorted(snap.items())
+            if rel.startswith(f"{stage_dir}/_decisions/") for line in data.decode().splitlines()]
+
+
+def test_every_planted_duplicate_goes_and_nothing_else(reference):
+    """What the worker and kill comparisons compare is not vacuous: each dedup stage removes
+    exactly what was planted for it, across parts."""
+    _, planted, snap = reference
+    removed = {stage: {d["id"] for d in _decisions(snap, stage) if d["decision"] == "removed"}
+               for stage in ("02-exact-dedup", "03-near-dedup", "05-filter")}
+    assert removed["02-exact-dedup"] == planted["exact"]
+    assert removed["03-near-dedup"] == planted["near"]
+    near = [d for d in _decisions(snap, "03-near-dedup") if d["decision"] == "removed"]
+    assert {d["cluster"] for d in near} == planted["near_survivors"]  # the earlier document survives
+    assert removed["05-filter"] == planted["filtered"]
+    modified = {d["id"] for d in _decisions(snap, "04-substring-dedup") if d["decision"] == "modified"}
+    assert modified == planted["boilerplate"]
+    final = "".join(data.decode() for rel, data in snap.items() if rel.startswith("07-shard/part-"))
+    assert BOILERPLATE[20:80] not in final
+    part_of = {json.loads(line)["id"]: rel for rel, data in snap.items() if rel.startswith("00-read/part-")
+               for line in data.decode().splitlines()}
+    assert len(set(part_of.values())) == 11  # 85 documents, 8 a part
+    # every duplicate is in another part than its survivor; the boilerplate is in five parts
+    dups = [d for stage in ("02-exact-dedup", "03-near-dedup") for d in _decisions(snap, stage) if d["cluster"]
+            and d["decision"] == "removed"]
+    assert len(dups) == 9 and all(part_of[d["id"]] != part_of[d["cluster"]] for d in dups)
+    assert len({part_of[i] for i in planted["boilerplate"]}) == 5
+    assert len([rel for rel in snap if rel.startswith("07-shard/train/shard_") and rel.endswith(".bin")]) >= 3
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_output_of_every_stage_is_the_same_for_any_worker_count(reference, workers):
+    root, _, ref = reference
+    out = root / f"workers{workers}"
+    run_pipeline(from_dict(config(root / "corpus.jsonl", out, workers)), log=lambda _: None)
+    got = snapshot(out)
+    assert sorted(got) == sorted(ref)
+    assert [rel for rel in ref if got[rel] != ref[rel]] == []
+
