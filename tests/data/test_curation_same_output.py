@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ultratron.curation.config import from_dict
+from ultratron.curation.report import format_table
 from ultratron.curation.runner import run_pipeline
 
 VOCAB_SEED = 7
@@ -155,3 +156,14 @@ def test_output_of_every_stage_is_the_same_for_any_worker_count(reference, worke
     assert sorted(got) == sorted(ref)
     assert [rel for rel in ref if got[rel] != ref[rel]] == []
 
+
+
+def test_report_table_lists_tied_reasons_the_same_whether_a_stage_ran_or_was_resumed():
+    """A resumed run reads finished stages' summaries back from _DONE.json, whose keys are
+    sorted; a fresh run's are in the order first met. report.md must not tell them apart."""
+    fresh = {"stage": "filter", "docs_in": 9, "docs_out": 7, "bytes_in": 0, "bytes_out": 0, "tokens_out": 0,
+             "removed": {"gopher_quality:min_words": 1, "c4:lorem_ipsum": 1}, "modified": {}}
+    resumed = json.loads(json.dumps(fresh, sort_keys=True))
+    assert list(resumed["removed"]) != list(fresh["removed"])
+    assert format_table([resumed]) == format_table([fresh])
+    assert "| c4:lorem_ipsum 1, gopher_quality:min_words 1 |" in format_table([fresh])
