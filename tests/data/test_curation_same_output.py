@@ -1,15 +1,20 @@
 """The pipeline's output is a function of its input and config alone: the same bytes in every
-stage for 1, 2 or 3 workers.
+stage for 1, 2 or 3 workers, and after a SIGKILL at any moment followed by a rerun.
 
 The corpus plants work for every stage across parts (parts of 8 documents): exact copies,
 near copies, a boilerplate span shared by documents in different parts, and documents the
-filters drop.
+filters drop. Each kill comes from a driver script this file writes next to the output: it
+wraps one function of the pipeline so that, at the chosen moment, the whole process group
+(the driver and every worker) gets SIGKILL, then calls `ultratron.cli.main`.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,6 +77,15 @@ def config(src: Path, out: Path, workers: int) -> dict:
                          "progress": False},
             "tokenize": {"vocab_size": 320, "train_bytes": 60_000},
             "shard": {"held_out_fraction": 0.2, "tokens_per_shard": 4000}}
+
+
+def write_toml(cfg: dict, path: Path) -> Path:
+    lines = []
+    for section, values in cfg.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 # Bookkeeping that may differ between equal runs: timings, process ids, the run's own paths
@@ -167,3 +181,177 @@ def test_report_table_lists_tied_reasons_the_same_whether_a_stage_ran_or_was_res
     assert list(resumed["removed"]) != list(fresh["removed"])
     assert format_table([resumed]) == format_table([fresh])
     assert "| c4:lorem_ipsum 1, gopher_quality:min_words 1 |" in format_table([fresh])
+
+
+# ---- SIGKILL at any moment, then a rerun ---------------------------------------------------------
+
+# `python kill_driver.py MOMENT ultratron-args...`: wraps the function where MOMENT happens so
+# that the process group (the driver and its workers, as when a machine dies) gets SIGKILL
+# there; "worker-alone" kills only the worker process, as the kernel's OOM killer would.
+KILL_DRIVER = '''
+import os
+import signal
+import sys
+
+from ultratron.cli import main
+from ultratron.curation import frame
+from ultratron.curation.stages import exact_dedup, near_dedup
+from ultratron.data import shards, tokenizer
+
+moment = sys.argv[1]
+
+
+def die(alone=False):
+    os.kill(os.getpid(), signal.SIGKILL) if alone else os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def in_part(stage_dir, part, after, alone=False):
+    """Die after `after` documents of one part are written: the part is half on disk."""
+    kept, count = frame.PartWriter.kept, 0
+
+    def wrapper(self, *args, **kwargs):
+        nonlocal count
+        kept(self, *args, **kwargs)
+        if self.out_dir.name == stage_dir and self.name == part:
+            count += 1
+            if count == after:
+                die(alone)
+    frame.PartWriter.kept = wrapper
+
+
+def after_call(module, name, when=lambda *args: True):
+    original = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if when(*args):
+            die()
+        return result
+    setattr(module, name, wrapper)
+
+
+def before_call(module, name):
+    def wrapper(*args, **kwargs):
+        die()
+    setattr(module, name, wrapper)
+
+
+def training_killed_after(n_texts):
+    train = tokenizer.train_tokenizer
+
+    def texts_then_die(texts, *args, **kwargs):
+        def stream():
+            for i, text in enumerate(texts):
+                if i == n_texts:
+                    die()
+                yield text
+        return train(stream(), *args, **kwargs)
+    tokenizer.train_tokenizer = texts_then_die
+
+
+def nth_flush(n):
+    flush, count = shards.ShardWriter._flush, 0
+
+    def wrapper(self):
+        nonlocal count
+        flush(self)
+        count += 1
+        if count == n:
+            die()
+    shards.ShardWriter._flush = wrapper
+
+
+if moment == "read-mid-part":
+    in_part("00-read", "part-00004", 7)
+elif moment == "normalize-mid-part":
+    in_part("01-normalize", "part-00007", 7)
+elif moment == "exact-index":
+    after_call(exact_dedup, "write_json", lambda path, obj: path.name == "part-00005.json")
+elif moment == "near-signatures":  # the ids are written, the signature matrix is not
+    after_call(near_dedup, "write_json", lambda path, obj: path.name == "part-00006.ids.json")
+elif moment == "near-clustering":
+    before_call(near_dedup, "band_keys")
+elif moment == "suffix-array":  # the suffix array is built, its LCP array is not
+    import pydivsufsort
+    before_call(pydivsufsort, "kasai")
+elif moment == "tokenizer-training":
+    training_killed_after(30)
+elif moment == "tokenizer-saved":
+    after_call(tokenizer.Tokenizer, "save")
+elif moment == "tokenize-mid-part":
+    in_part("06-tokenize", "part-00003", 3)
+elif moment == "shard-files":  # two token shards written, the shard set's meta.json not yet
+    nth_flush(2)
+elif moment == "worker-alone":
+    in_part("05-filter", "part-00002", 7, alone=True)
+else:
+    raise SystemExit(f"unknown moment {moment}")
+sys.exit(main(sys.argv[2:]))
+'''
+
+
+def _exists(*patterns):
+    return lambda out: all(any(out.glob(p)) for p in patterns)
+
+
+def _absent(*patterns):
+    return lambda out: not any(any(out.glob(p)) for p in patterns)
+
+
+def _half_written(pattern):
+    return lambda out: any(p.stat().st_size > 0 for p in out.glob(pattern))
+
+
+# moment → what the output directory must show right after the kill (proof it came when meant)
+EVIDENCE = {
+    "read-mid-part": [_half_written("00-read/part-00004.jsonl.tmp*"), _absent("00-read/part-00004.jsonl")],
+    "normalize-mid-part": [_half_written("01-normalize/part-00007.jsonl.tmp*")],
+    "exact-index": [_exists("02-exact-dedup/_index/part-00005.json"), _absent("02-exact-dedup/part-*.jsonl")],
+    "near-signatures": [_exists("03-near-dedup/_index/part-00006.ids.json"),
+                        _absent("03-near-dedup/_index/part-00006.npy")],
+    "near-clustering": [_exists("03-near-dedup/_index/part-00010.npy"), _absent("03-near-dedup/part-*.jsonl")],
+    "suffix-array": [_exists("03-near-dedup/_DONE.json"), _absent("04-substring-dedup/part-*.jsonl")],
+    "tokenizer-training": [_exists("05-filter/_DONE.json"), _absent("06-tokenize/tokenizer.json")],
+    "tokenizer-saved": [_exists("06-tokenize/tokenizer.json"), _absent("06-tokenize/part-*.jsonl")],
+    "tokenize-mid-part": [_half_written("06-tokenize/part-00003.jsonl.tmp*")],
+    "shard-files": [_exists("07-shard/train/shard_00001.bin"), _absent("07-shard/train/meta.json")],
+    "worker-alone": [_half_written("05-filter/part-00002.jsonl.tmp*"), _absent("05-filter/_DONE.json")],
+}
+
+
+@pytest.mark.parametrize("workers,moments", [
+    (1, ["read-mid-part", "near-clustering", "suffix-array", "tokenizer-saved", "shard-files"]),
+    (2, ["exact-index", "near-signatures", "tokenizer-training", "tokenize-mid-part"]),
+    (3, ["normalize-mid-part", "worker-alone"]),
+], ids=["1-worker", "2-workers", "3-workers"])
+def test_rerun_after_sigkill_gives_the_uninterrupted_output(reference, tmp_path, workers, moments):
+    """Kill, rerun (killed again at the next moment), …, rerun to the end: the same bytes as a
+    run never killed. After each kill, every file under its final name is whole (equal to the
+    uninterrupted run's) and a rerun redoes no part that was finished."""
+    root, _, ref = reference
+    out = tmp_path / "out"
+    args = ["data", "run", "--config", str(write_toml(config(root / "corpus.jsonl", out, workers),
+                                                     tmp_path / "data.toml"))]
+    driver = tmp_path / "kill_driver.py"
+    driver.write_text(KILL_DRIVER)
+    finished: dict[Path, int] = {}
+    for moment in moments:
+        killed = subprocess.run([sys.executable, str(driver), moment, *args], capture_output=True, text=True,
+                                start_new_session=True, timeout=300)  # its own process group, so killpg spares pytest
+        if moment == "worker-alone":  # the driver lives on and says what happened, in one line
+            assert killed.returncode == 2, (moment, killed.returncode, killed.stderr[-2000:])
+            assert killed.stderr.splitlines()[-1].startswith("error: filter: a worker process died"), killed.stderr
+            assert "rerun the same command to resume" in killed.stderr
+        else:
+            assert killed.returncode == -signal.SIGKILL, (moment, killed.returncode, killed.stderr[-2000:])
+        got = snapshot(out)
+        assert [rel for rel in got if got[rel] != ref.get(rel)] == [], f"not whole after the kill at {moment}"
+        assert all(check(out) for check in EVIDENCE[moment]), f"the kill did not come at {moment}"
+        assert {p: p.stat().st_mtime_ns for p in finished} == finished, f"finished parts redone before {moment}"
+        finished = {p: p.stat().st_mtime_ns for p in out.glob("*/_stats/*.json")}
+    resumed = subprocess.run([sys.executable, "-m", "ultratron", *args], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert {p: p.stat().st_mtime_ns for p in finished} == finished, "finished parts redone by the last rerun"
+    got = snapshot(out)
+    assert sorted(got) == sorted(ref)
+    assert [rel for rel in ref if got[rel] != ref[rel]] == []
