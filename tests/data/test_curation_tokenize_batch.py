@@ -1,5 +1,6 @@
-"""The tokenize stage encodes in batches: tokens equal one-at-a-time encoding, and the
-decision log keeps input order with malformed lines between and across batches."""
+"""The tokenize stage encodes in batches: tokens equal one-at-a-time encoding (with the
+tokenizer's offset-tracking `encode`, not the batch path under test), the decision log keeps
+input order with malformed lines between and across batches."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def test_batched_tokenize_matches_single_encoding_and_keeps_order(tmp_path, monk
     tokenizer = Tokenizer.load(tmp_path / "out" / "tokenizer.json")
     out = [json.loads(line) for line in (tmp_path / "out" / "in.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [r["n"] for r in out] == list(range(13))
-    assert all(r["tokens"] == tokenizer.encode(r["text"]) for r in out)
+    assert all(r["tokens"] == tokenizer.hf.encode(r["text"], add_special_tokens=False).ids for r in out)
+    assert tokenizer.encode_batch(["", "a <|endoftext|> b"]) == [[], tokenizer.hf.encode("a <|endoftext|> b").ids]
     assert summary["tokens_out"] == sum(len(r["tokens"]) for r in out)
     decisions = [json.loads(line)["decision"]
                  for line in (tmp_path / "out" / "_decisions" / "in.jsonl").read_text(encoding="utf-8").splitlines()]
