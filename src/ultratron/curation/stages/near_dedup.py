@@ -54,7 +54,8 @@ def shingles(text: str, n: int) -> list[str]:
     words = shingle_normalize(text)
     if len(words) <= n:
         return [" ".join(words)]
-    return list(map(" ".join, zip(*(words[i:] for i in range(n)))))  # no per-gram slice
+    # the i-th n-gram is word i of each shifted list; the shortest list ends it (no per-gram slice)
+    return list(map(" ".join, zip(*(words[i:] for i in range(n)), strict=False)))
 
 
 def signatures(texts: list[str], ngram: int, num_perm: int, seed: int) -> np.ndarray:
