@@ -103,3 +103,23 @@ def test_near_dedup_recall_and_false_removal(tmp_path):
     assert false_removal <= 0.02
     # one survivor per cluster: every removed document's cluster id is a kept document
     assert all(label[d] not in removed for d in removed)
+
+
+def test_shingle_words_are_the_plain_definition_on_random_unicode():
+    """The fast word split (one \\w+ pass, combining marks removed by one regex) gives the words
+    of the plain definition: lowercase, NFD without combining marks, punctuation → space, split."""
+    import re
+    import unicodedata
+
+    from ultratron.curation.stages.near_dedup import shingle_normalize
+
+    def plain(text: str) -> list[str]:
+        text = "".join(ch for ch in unicodedata.normalize("NFD", text.lower()) if not unicodedata.combining(ch))
+        return re.sub(r"[^\w\s]+", " ", text).split()
+
+    rng = random.Random(5)
+    alphabet = ("abcXYZ éÅñçǅß ДЖи ΣΩ 東京 عربي ०१२ ½² _-.,;!?'\"()[]{}#…–—\t\n\u00a0\u2003\u3000\x1c\x85"
+                "\u0301\u0308\u0327\u20dd\u0f71\u1ab0\U0001d165\u200d")
+    texts = ["".join(rng.choices(alphabet, k=rng.randint(0, 300))) for _ in range(3000)] + ["", "plain ascii, text."]
+    assert [shingle_normalize(t) for t in texts] == [plain(t) for t in texts]
+    assert shingles("a b c d e f", 5) == ["a b c d e", "b c d e f"] and shingles("a b", 5) == ["a b"]

@@ -29,7 +29,8 @@ def _measure(tokenizer, text: str) -> dict:
     n_bytes = len(text.encode("utf-8"))
     words = max(len(text.split()), 1)
     unk_id = tokenizer.hf.token_to_id("<unk>") if hasattr(tokenizer, "hf") else None
-    unknown = sum(1 for i in ids if i >= tokenizer.vocab_size or (unk_id is not None and i == unk_id))
+    vocab_size = tokenizer.vocab_size  # once: a property that asks the Rust tokenizer
+    unknown = sum(1 for i in ids if i >= vocab_size or i == unk_id)
     return {"bytes": n_bytes, "tokens": len(ids), "bytes_per_token": round(n_bytes / max(len(ids), 1), 3),
             "tokens_per_word": round(len(ids) / words, 3), "round_trip": tokenizer.decode(ids) == text,
             "unknown_tokens": unknown}

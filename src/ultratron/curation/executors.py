@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable
 
 from ultratron.curation.config import DataPipelineConfig
+from ultratron.errors import DataError
 
 
 class Executor:
@@ -41,17 +42,26 @@ class LocalExecutor(Executor):
             return results
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures.process import BrokenProcessPool
 
         # fork: workers inherit the imported modules, so a part starts in milliseconds. The
         # driver starts no threads before the first fork (torch, which does, is imported only
         # inside the perplexity stage, and its workers never call torch).
         ctx = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(max_workers=min(self.workers, len(tasks)), mp_context=ctx) as pool:
-            futures = [pool.submit(fn, task) for task in tasks]
-            for fut in futures:
-                fut.add_done_callback(lambda _f: bar.update())
-            results = [f.result() for f in futures]
-        bar.close()
+        try:
+            with ProcessPoolExecutor(max_workers=min(self.workers, len(tasks)), mp_context=ctx) as pool:
+                futures = [pool.submit(fn, task) for task in tasks]
+                for fut in futures:
+                    fut.add_done_callback(lambda _f: bar.update())
+                results = [f.result() for f in futures]
+        except BrokenProcessPool:
+            # A worker was killed from outside (most often by the kernel, out of memory). Its
+            # half-written part was never renamed, so nothing is lost: say how to go on.
+            raise DataError(f"{desc or 'pipeline'}: a worker process died (killed by a signal; out of memory?). "
+                            "Finished parts are kept: rerun the same command to resume, with fewer "
+                            "pipeline.workers or a smaller pipeline.docs_per_part if memory is short") from None
+        finally:
+            bar.close()
         return results
 
 

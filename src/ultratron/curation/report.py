@@ -20,7 +20,9 @@ def format_table(summaries: list[dict]) -> str:
               "|---|---:|---:|---:|---:|---:|---|")
     rows = []
     for s in summaries:
-        reasons = sorted(s["removed"].items(), key=lambda kv: -kv[1])
+        # most frequent first, ties by name: a stage summary read back from _DONE.json (a resumed
+        # run) has its reasons in key order, a fresh one in the order they were first met
+        reasons = sorted(s["removed"].items(), key=lambda kv: (-kv[1], kv[0]))
         top = ", ".join(f"{r} {n}" for r, n in reasons[:4]) + (" …" if len(reasons) > 4 else "")
         modified = sum(s["modified"].values())
         if modified:

@@ -49,10 +49,14 @@ class Tokenizer:
         return self.hf.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False).ids
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        """Token ids per text, encoded in parallel by the Rust library. `encode_batch_fast`
+        (tokenizers ≥ 0.20) gives the same ids without computing character offsets, which
+        took half the time on byte-level BPE; older versions fall back to `encode_batch`."""
+        encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False)

@@ -28,16 +28,25 @@ import numpy as np
 
 from ultratron.curation.frame import StageContext, iter_records, write_json
 
-_PUNCT = re.compile(r"[^\w\s]+")
+# A word is a maximal run of \w characters. (Replacing [^\w\s] by spaces and splitting on
+# whitespace gives the same words: re's \s and str.isspace() agree on every code point, and no
+# character is both \w and \s.)
+_WORD = re.compile(r"\w+")
 
 # ---- near dedup -----------------------------------------------------------------------------------
+
 
 def shingle_normalize(text: str) -> list[str]:
     """Words for MinHash: lowercase, no diacritics, no punctuation (as datatrove normalizes text for MinHash)."""
     text = text.lower()
     if not text.isascii():
-        text = "".join(ch for ch in unicodedata.normalize("NFD", text) if not unicodedata.combining(ch))
-    return _PUNCT.sub(" ", text).split()
+        text = unicodedata.normalize("NFD", text)
+        # the combining marks among the text's distinct characters, removed in one regex pass
+        # (no combining mark is a regex metacharacter)
+        marks = "".join(sorted(ch for ch in set(text) if unicodedata.combining(ch)))
+        if marks:
+            text = re.sub(f"[{marks}]+", "", text)
+    return _WORD.findall(text)
 
 
 def shingles(text: str, n: int) -> list[str]:
@@ -45,7 +54,8 @@ def shingles(text: str, n: int) -> list[str]:
     words = shingle_normalize(text)
     if len(words) <= n:
         return [" ".join(words)]
-    return [" ".join(words[i:i + n]) for i in range(len(words) - n + 1)]
+    # the i-th n-gram is word i of each shifted list; the shortest list ends it (no per-gram slice)
+    return list(map(" ".join, zip(*(words[i:] for i in range(n)), strict=False)))
 
 
 def signatures(texts: list[str], ngram: int, num_perm: int, seed: int) -> np.ndarray:

@@ -18,7 +18,11 @@ from ultratron.errors import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
 AUDIT_FILE = "audit.json"
+# The audit measures the corpus on its first 200 documents, at most ~1 MB of them: joined into
+# one text, they are encoded on one thread, so a sample of large documents (source files)
+# would cost as much as encoding a good part of the corpus.
 AUDIT_SAMPLE_DOCS = 200
+AUDIT_SAMPLE_BYTES = 1_000_000
 
 
 def _texts(parts: list[Path], max_bytes: int) -> Iterator[str]:
@@ -67,7 +71,7 @@ def run(ctx: StageContext) -> dict:
             tokenizer = train_tokenizer(_texts(parts, t.train_bytes), t.vocab_size)
         tokenizer.save(path)
     tokenizer = Tokenizer.load(path)
-    sample = [text for _, text in zip(range(AUDIT_SAMPLE_DOCS), _texts(parts, 0), strict=False)]
+    sample = [text for _, text in zip(range(AUDIT_SAMPLE_DOCS), _texts(parts, AUDIT_SAMPLE_BYTES), strict=False)]
     audit = audit_tokenizer(tokenizer, sample, t.poor_compression_ratio)
     write_json(ctx.out_dir / AUDIT_FILE, audit)
     ctx.map_parts(make_batch_fn, {p.stem: str(path) for p in parts}, batched=True)
