@@ -25,7 +25,7 @@ from ultratron.models.llama import build_model
 from ultratron.models.sampling import generate
 from ultratron.parallel.data_parallel import wrap_optimizer
 from ultratron.parallel.dims import ParallelDims
-from ultratron.parallel.grads import clip_grad_norm
+from ultratron.parallel.grads import clip_grad_norm, tied_copies
 from ultratron.parallel.parallelize import parallelize
 from ultratron.planning.flops import training_flops_per_token
 from ultratron.planning.params import count_params_of
@@ -35,7 +35,7 @@ from ultratron.training.optim import build_optimizer, lr_at, set_lr
 from ultratron.training.periodic_eval import PeriodicEvaluator
 from ultratron.training.progress import Reporter
 from ultratron.training.state import TrainState
-from ultratron.training.step import GradAccumStep
+from ultratron.training.step import step_strategy
 from ultratron.training.validation import Validator
 
 
@@ -82,7 +82,7 @@ class Trainer:
 
         self.model = parallelize(build_model(cfg.model, self.device), self.dims, cfg)
         self.optimizer = wrap_optimizer(build_optimizer(self.model, cfg.optim), self.dims)
-        self.strategy = GradAccumStep(self.model, self.dims, self.device, t.precision, t.z_loss)
+        self.strategy = step_strategy(self.model, self.dims, self.device, t.precision, t.z_loss)
         self.state = TrainState(self.train_loader, to_dict(cfg))
         self.validator = Validator(ShardSet.open(self.data.val_dir) if self.data.val_dir else None,
                                    interval=cfg.eval.interval, batches=cfg.eval.batches, seq_len=t.seq_len,
@@ -144,7 +144,8 @@ class Trainer:
         set_lr(self.optimizer, lr)
         loss = self.strategy.forward_backward(self.train_loader.next_batch, cfg.grad_accum_steps)
         max_norm = cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf
-        grad_norm = float(clip_grad_norm(self.model.parameters(), max_norm))
+        grad_norm = float(clip_grad_norm(self.model.parameters(), max_norm, self.dims.pp_group,
+                                         uncounted=tied_copies(self.model)))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
@@ -172,13 +173,15 @@ class Trainer:
                  f"batch {t.batch_tokens:,} tokens = {cfg.grad_accum_steps} × {t.micro_batch_size} × {t.seq_len}{dp}; "
                  f"device {self.device}; precision {t.precision}")
         self.log(f"mfu: peak {self.mfu.peak / 1e12:.3g} TFLOP/s ({self.mfu.source})")
+        if self.dims.pp > 1:
+            self.log(self.model.pipeline.describe())
 
     @torch.no_grad()
     def sample(self, prompt: str = "def") -> str:
         """A short sample (every rank takes part under a parallel layout; rank 0 logs it)."""
         self.model.eval()
         multiple = self.dims.tp if self.dims.sp else 1  # sequence parallel splits the sequence over tp ranks
-        ids = generate(self.model, self.tokenizer.encode(prompt), self.cfg.training.sample_tokens,
+        ids = generate(self.strategy.sampling_model, self.tokenizer.encode(prompt), self.cfg.training.sample_tokens,
                        stop_id=self.tokenizer.eos_id, seed=self.cfg.training.seed, length_multiple=multiple)
         text = prompt + self.tokenizer.decode(ids)
         self.log("sample:\n" + text)
