@@ -69,8 +69,8 @@ def _to_original_names(state: dict, copies: dict[str, str]) -> dict:
 def _to_own_names(state: dict, copies: dict[str, str], own: set[str]) -> dict:
     out = {name: value for name, value in state.items() if name in own}
     for copy, original in copies.items():
-        if copy in own and original in state:
-            out[copy] = state[original]
+        if copy in own and original in state:  # its own tensors: the optimizer steps both copies
+            out[copy] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[original].items()}
     return out
 
 
