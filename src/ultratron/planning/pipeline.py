@@ -250,9 +250,10 @@ def _dualpipev_events(pp: int, m: int, rank: int) -> list[tuple[int, int]]:
     return events
 
 
+@functools.lru_cache(maxsize=4096)
 def schedule_events(schedule: str, pp: int, virtual_stages: int, m: int, rank: int) -> list[tuple[int, int]]:
     """One rank's forwards (+1) and activation releases (−1) per local stage, in the order its
-    schedule runs them for `m` micro-batches."""
+    schedule runs them for `m` micro-batches (cached: treat the list as read-only)."""
     v = stages_per_rank(schedule, virtual_stages)
     if pp == 1 or schedule == "gpipe":
         return [(0, +1)] * m + [(0, -1)] * m
@@ -269,6 +270,19 @@ def schedule_events(schedule: str, pp: int, virtual_stages: int, m: int, rank: i
     return _dualpipev_events(pp, m, rank)
 
 
+@functools.lru_cache(maxsize=4096)
+def _peak_candidates(schedule: str, pp: int, virtual_stages: int, m: int, rank: int) -> tuple[tuple[int, ...], ...]:
+    """The micro-batches in flight per local stage after each forward, without repeats and without
+    states another one dominates: whatever the bytes per stage, the peak is one of these."""
+    live = [0] * len(rank_stages(schedule, pp, virtual_stages, rank))
+    seen: set[tuple[int, ...]] = set()
+    for local, delta in schedule_events(schedule, pp, virtual_stages, m, rank):
+        live[local] += delta
+        if delta > 0:
+            seen.add(tuple(live))
+    return tuple(a for a in seen if not any(b != a and all(x <= y for x, y in zip(a, b, strict=True)) for b in seen))
+
+
 def peak_in_flight(schedule: str, pp: int, virtual_stages: int, m: int, rank: int,
                    bytes_per_micro_batch: list[float]) -> list[int]:
     """Micro-batches in flight on each local stage at the moment the rank's activations peak,
@@ -276,14 +290,10 @@ def peak_in_flight(schedule: str, pp: int, virtual_stages: int, m: int, rank: in
     and its backward at a time, as gradient accumulation runs)."""
     if pp == 1:
         return [1]
-    live = [0] * len(bytes_per_micro_batch)
-    best, at = -1.0, list(live)
-    for local, delta in schedule_events(schedule, pp, virtual_stages, m, rank):
-        live[local] += delta
-        total = sum(n * b for n, b in zip(live, bytes_per_micro_batch, strict=True))
-        if delta > 0 and total > best:
-            best, at = total, list(live)
-    return at
+    candidates = _peak_candidates(schedule, pp, virtual_stages, m, rank)
+    best = max(candidates, key=lambda live: (sum(n * b for n, b in zip(live, bytes_per_micro_batch, strict=True)),
+                                             live))
+    return list(best)
 
 
 def bubble_fraction(schedule: str, pp: int, virtual_stages: int, m: int) -> float:
