@@ -126,18 +126,20 @@ def main() -> None:
         for plan in planned:
             if plan.stage in ("first", "last", "first+last"):
                 got = ranks[plan.extra["pp_rank"]]
-                measured_mb = sum(got[t] for t in ("parameters", "gradients", "optimizer_states", "activations"))
-                planned_mb = plan.parameters + plan.gradients + plan.optimizer_states + plan.activations + plan.loss_logits
-                memory[plan.stage] = (measured_mb / 2**20, planned_mb / 2**20)
-        rows.append((schedule, v, statistics.mean(idle), max(idle), (p - 1) / (v * m), bubble_fraction(schedule, p, 0, m),
-                     statistics.median(w for r in ranks for w in r["walls"]), memory))
+                measured = sum(got[t] for t in ("parameters", "gradients", "optimizer_states", "activations"))
+                terms = ("parameters", "gradients", "optimizer_states", "activations", "loss_logits")
+                memory[plan.stage] = (measured / 2**20, sum(getattr(plan, t) for t in terms) / 2**20)
+        rows.append((schedule, v, statistics.mean(idle), max(idle), (p - 1) / (v * m),
+                     bubble_fraction(schedule, p, 0, m), statistics.median(w for r in ranks for w in r["walls"]),
+                     memory))
     shutil.rmtree(root, ignore_errors=True)
 
     print(f"{'schedule':<17} {'v':>2} {'bubble':>7} {'(max)':>7} {'(p-1)/(vm)':>10} {'model':>6} {'step s':>7}  "
           "peak MiB measured / plan memory")
     for schedule, v, mean_idle, max_idle, formula, model, wall, memory in rows:
         mem = "  ".join(f"{stage} {got:.1f} / {plan:.1f}" for stage, (got, plan) in memory.items())
-        print(f"{schedule:<17} {v:>2} {mean_idle:>7.3f} {max_idle:>7.3f} {formula:>10.3f} {model:>6.3f} {wall:>7.3f}  {mem}")
+        print(f"{schedule:<17} {v:>2} {mean_idle:>7.3f} {max_idle:>7.3f} {formula:>10.3f} {model:>6.3f} "
+              f"{wall:>7.3f}  {mem}")
 
 
 if __name__ == "__main__":

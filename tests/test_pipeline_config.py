@@ -41,6 +41,8 @@ BAD = [
     (["--parallel.pp_split", "4,4"], "parallel.pp_split=4,4 needs parallel.pp > 1"),
     (["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.zero", "3", "--parallel.pp_schedule", "zbv",
       "--training.batch_tokens", "2048"], "parallel.zero=3 frees the gathered parameters after each forward"),
+    (["--parallel.pp", "2", "--parallel.pp_schedule", "dualpipev", "--training.recompute", "selective"],
+     "training.recompute=selective lets each recomputed region run backward once"),
     (["--parallel.pp", "2", "--parallel.pp_schedule", "zigzag"], "parallel.pp_schedule"),
 ]
 

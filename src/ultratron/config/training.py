@@ -257,7 +257,7 @@ def validate(cfg: Config) -> None:
     p += pipeline_problems(m, pp=par.pp, schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
                            split=par.pp_split, micro_batches=None if t.batch_tokens % micro else cfg.grad_accum_steps,
                            micro_batches_from="training.batch_tokens ÷ (micro_batch_size × seq_len × dp)",
-                           dp=par.dp, zero=par.zero)
+                           dp=par.dp, zero=par.zero, recompute=t.recompute)
     if o.lr <= 0:
         p.append(f"optim.lr must be positive, got {o.lr}")
     if not 0 <= o.min_lr_ratio <= 1:

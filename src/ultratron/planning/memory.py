@@ -196,7 +196,8 @@ def check_layout(shape, layout: Layout) -> list[str]:
     if not p:
         p += pipeline_problems(shape, pp=layout.pp, schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages,
                                split=layout.pp_split, micro_batches=layout.grad_acc, micro_batches_from="--grad-acc",
-                               dp=layout.shard_group, zero=layout.zero, name=_flag_name)
+                               dp=layout.shard_group, zero=layout.zero, recompute=layout.recompute,
+                               name=_flag_name)
     return p
 
 

@@ -65,7 +65,7 @@ def layout_problems(shape, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
 
 def pipeline_problems(shape, *, pp: int, schedule: str, virtual_stages: int = 0, split: str | None = None,
                       micro_batches: int | None = None, micro_batches_from: str = "", dp: int = 1, zero: int = 0,
-                      name: Namer = config_name) -> list[str]:
+                      recompute: str = "none", name: Namer = config_name) -> list[str]:
     """What a pipeline layout needs: stages per rank the schedule can run, at least one layer per
     stage, an explicit split that adds up, and enough micro-batches per step to fill the pipeline
     (too few is refused here rather than left to hang or fail inside the schedule).
@@ -93,6 +93,11 @@ def pipeline_problems(shape, *, pp: int, schedule: str, virtual_stages: int = 0,
         p.append(f"{name('parallel.zero')}=3 frees the gathered parameters after each forward, which "
                  f"{s_name}={schedule} still needs for its deferred weight backward; use {name('parallel.zero')} 2 "
                  f"(gradients and optimizer state stay sharded) or gpipe, 1f1b or interleaved-1f1b")
+    if schedule in SPLIT_BACKWARD and recompute == "selective":
+        # torch's selective checkpoint lets a recomputed region run backward once (measured here)
+        p.append(f"{name('training.recompute')}=selective lets each recomputed region run backward once, but "
+                 f"{s_name}={schedule} runs backward in two passes (inputs, then weights); use "
+                 f"{name('training.recompute')} full or none, or gpipe, 1f1b or interleaved-1f1b")
     if p:
         return p
     per_rank = stages_per_rank(schedule, virtual_stages)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from ultratron.errors import UserError
 from ultratron.planning.flops import training_flops_per_token
 from ultratron.planning.hardware import Accelerator
-from ultratron.planning.memory import GiB, Layout, MemoryBreakdown, estimate_memory
+from ultratron.planning.memory import GiB, Layout, MemoryBreakdown, check_layout, estimate_memory
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import LOOPED, SCHEDULES, SINGLE
 from ultratron.planning.pipeline import bubble_fraction as bubble_fraction_of
@@ -159,9 +159,10 @@ def enumerate_layouts(spec: SearchSpec):
                     for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
                         for recompute in ("none", "selective", "full"):
                             for schedule, v in schedules:
-                                # the trainer's own rules: stages per rank, micro-batches, zero 3
+                                # the trainer's own rules: stages per rank, micro-batches, zero 3, recompute
                                 if pipeline_problems(shape, pp=pp, schedule=schedule, virtual_stages=v,
-                                                     micro_batches=grad_acc, dp=dp * cp, zero=zero):
+                                                     micro_batches=grad_acc, dp=dp * cp, zero=zero,
+                                                     recompute=recompute):
                                     continue
                                 yield Layout(dp=dp, zero=zero, tp=tp, sp=tp > 1, pp=pp, pp_schedule=schedule,
                                              virtual_stages=v, cp=cp, mbs=mbs, grad_acc=grad_acc, seq=spec.seq,
@@ -255,6 +256,8 @@ def _reasons(spec: SearchSpec, est: Estimate, bubble_fraction: float) -> list[st
         reasons.append("communication is hidden: the step is compute-bound")
     if lay.recompute != "none":
         lighter = "selective" if lay.recompute == "full" else "none"
+        if check_layout(spec.shape, replace(lay, recompute=lighter)):  # (selective: not with a split backward)
+            lighter = "none"
         need = estimate_memory(spec.shape, replace(lay, recompute=lighter), spec.activation_model).peak_bytes
         cost = "+1/3 compute" if lay.recompute == "full" else "~2% time"
         reasons.append(f"recompute={lay.recompute} ({cost}): with recompute={lighter} this layout needs "
