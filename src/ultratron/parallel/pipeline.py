@@ -164,13 +164,16 @@ class TiedGradients:
 # ---- forward only: validation and sampling ---------------------------------------------------
 
 def _send(tensor: torch.Tensor, dst: int, group) -> None:
-    header = torch.tensor([tensor.dim(), *tensor.shape, _DTYPES.index(tensor.dtype)] + [0] * (6 - tensor.dim()))
+    """The shape and dtype first (validation and sampling change the sequence length), then the data;
+    both on the tensor's device, as nccl wants."""
+    header = torch.tensor([tensor.dim(), *tensor.shape, _DTYPES.index(tensor.dtype)] + [0] * (6 - tensor.dim()),
+                          device=tensor.device)
     dist.send(header, dst=dst, group=group)
     dist.send(tensor.contiguous(), dst=dst, group=group)
 
 
 def _recv(src: int, group, device: torch.device) -> torch.Tensor:
-    header = torch.zeros(8, dtype=torch.long)
+    header = torch.zeros(8, dtype=torch.long, device=device)
     dist.recv(header, src=src, group=group)
     ndim = int(header[0])
     shape, dtype = [int(d) for d in header[1:1 + ndim]], _DTYPES[int(header[1 + ndim])]
