@@ -34,8 +34,8 @@ def _local_square_sum(grad: torch.Tensor) -> tuple[tuple, torch.Tensor]:
 
 
 def tied_copies(model: nn.Module) -> list[torch.Tensor]:
-    """The copies a pipeline stage keeps of a parameter another stage also holds (a pipeline part's
-    `tied_copies`): left out of the global norm, which counts the original."""
+    """The copies this rank holds of a parameter the pipeline also holds elsewhere (the keys of a
+    pipeline part's `tied_copies`): left out of the global norm, which counts the original."""
     copies = set(getattr(model, "tied_copies", {}))
     return [p for name, p in model.named_parameters() if name in copies]
 

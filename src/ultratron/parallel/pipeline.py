@@ -134,12 +134,12 @@ class TiedGradients:
     stage's head) so that both take the same optimizer step, as the one shared table would."""
 
     def __init__(self, part: nn.Module, dims: ParallelDims):
-        copies = getattr(part, "tied_copies", {})
+        copies = getattr(part, "tied_copies", {})  # copy → original (the model family's plan names them)
         pipeline: Pipeline = part.pipeline
-        self.enabled = part.args.tie_embeddings
+        self.enabled = bool(copies)
         self.group = _tied_pair_group(dims, pipeline) if self.enabled else None
-        params = dict(part.named_parameters())
-        self.mine = [params[name] for name in ("tok_embeddings.weight", *copies) if name in params]
+        params = dict(part.named_parameters())  # the original and/or the copy, as this rank holds them
+        self.mine = [params[name] for name in (*copies.values(), *copies) if name in params]
 
     @torch.no_grad()
     def __call__(self) -> None:

@@ -113,7 +113,7 @@ class PipelineStep:
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        logits = self.sampling_model(inputs.to(self.device), keep=False)
+        logits = self.sampling_model(inputs.to(self.device), everywhere=False)
         loss = cross_entropy(logits, targets.to(self.device))[1] if logits is not None else None
         return float(broadcast_from_last(loss, self.model, self.dims, (), torch.float32, self.device))
 
@@ -124,7 +124,7 @@ class PipelineStep:
 
 class PipelineLogits:
     """The pipeline as a callable model for validation and sampling: full logits on every rank
-    (`keep=False`: only on the rank of the last stage, None elsewhere)."""
+    (`everywhere=False`: only on the rank of the last stage, None elsewhere)."""
 
     def __init__(self, step: PipelineStep):
         self.step, self.args = step, step.model.args
@@ -133,11 +133,11 @@ class PipelineLogits:
         return self.step.model.parameters()
 
     @torch.no_grad()
-    def __call__(self, tokens: torch.Tensor, keep: bool = True) -> torch.Tensor | None:
+    def __call__(self, tokens: torch.Tensor, everywhere: bool = True) -> torch.Tensor | None:
         step = self.step
         step._train(False)
         logits = forward_only(step.model, step.dims, tokens)  # (the stages run under autocast already)
-        if not keep:
+        if not everywhere:
             return logits
         shape = (*tokens.shape, self.args.vocab_size)
         return broadcast_from_last(logits, step.model, step.dims, shape, torch.float32, step.device)

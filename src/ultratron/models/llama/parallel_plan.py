@@ -13,8 +13,8 @@ Pipeline parallel: a `LlamaStage` holds a run of the blocks, with the embedding 
 and the final norm and head on the last, under the full model's attribute names, so parameter
 names (`layers.5.attention.wq.weight`, `output.weight`) — and checkpoints — are the same in every
 layout. With tied embeddings the last stage keeps its own copy of the table as `output.weight`
-(`tied_copies` says so); the pipeline sums the two copies' gradients after backward, the way
-Megatron-LM's embedding group does, so they stay equal.
+(`tied_copies` names copy and original); the pipeline sums the two copies' gradients after
+backward, the way Megatron-LM's embedding group does, so they stay equal.
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ class LlamaStage(nn.Module):
         source_embedding = getattr(model, "tok_embeddings", None)
         if last and source_embedding is not None and model.output.weight is source_embedding.weight:
             self.output.weight = nn.Parameter(source_embedding.weight.detach().clone())  # untie: a copy
-        # parameters here that copy one held by the first stage (its name there)
-        self.tied_copies = {"output.weight": "tok_embeddings.weight"} if last and model.args.tie_embeddings else {}
+        # tied parameters across the pipeline: the last stage's copy → the first stage's original
+        self.tied_copies = {"output.weight": "tok_embeddings.weight"} if model.args.tie_embeddings else {}
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         self.sequence_shards = 1
