@@ -6,6 +6,8 @@ model in one process. Tolerances as in test_dist_equivalence: fp32 losses within
 gradient norms within 1e-4 for five steps; bf16 within 1e-2 / 5e-2 relative. Every run also
 validates (at steps 0 and 5: the pipeline's forward-only pass) and samples at the end (fp32: the
 same text as one process). Three launches (2, 4 and 8 ranks) run all the layouts in a row.
+Data parallel under pp runs on FSDP2's machinery, which torch's stages drive: zero 0 as
+`replicate` (DDP's arithmetic), zero 1 and 2 as FSDP2 without resharding, zero 3 with it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ RANKS_2 = {**{(name, "fp32"): args for name, args in PP2.items()},
 DP2_PP2 = ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.zero", "1"]
 RANKS_4 = {("pp4-interleaved-v2", "fp32"): ["--parallel.pp", "4", "--parallel.pp_schedule", "interleaved-1f1b",
                                             "--parallel.pp_virtual_stages", "2"],
+           ("dp2xpp2-zero0-zbv", "fp32"): ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.zero", "0",
+                                           "--parallel.pp_schedule", "zbv"],
            ("dp2xpp2-zero1", "fp32"): DP2_PP2,
            ("dp2xpp2-zero3", "fp32"): ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.zero", "3"],
            ("pp2xtp2-sp", "fp32"): ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sp", "true"],
@@ -146,16 +150,18 @@ def test_a_dp2_pp2_checkpoint_resumes_under_pp4_and_one_process(four_rank_runs, 
         assert abs(record["loss"] - kept_going[record["step"]]["loss"]) <= 1e-5 * record["loss"]
 
 
-def test_a_pipeline_checkpoint_loads_for_inference_in_one_process(four_rank_runs, dist_base, tmp_path):
+@pytest.mark.parametrize("saved_by", ["dp2xpp2-zero1", "dp2xpp2-zero0-zbv"])
+def test_a_pipeline_checkpoint_loads_for_inference_in_one_process(four_rank_runs, dist_base, tmp_path, saved_by):
     """eval, serve and export read a pipeline run's checkpoint (load_for_inference): the weights the
-    training path's resharding load gives one process, with the tied table tied again."""
+    training path's resharding load gives one process, with the tied table tied again (saved with
+    FSDP2 shards, and with `replicate`'s replicated parameters on a V schedule)."""
     import torch
 
     from ultratron.checkpoint.inference import load_for_inference
     from ultratron.models.llama import build_model
     from ultratron.training.trainer import Trainer
 
-    ckpt = four_rank_runs["dp2xpp2-zero1", "fp32"] / "checkpoints" / f"step-{SAVE_AT:07d}"
+    ckpt = four_rank_runs[saved_by, "fp32"] / "checkpoints" / f"step-{SAVE_AT:07d}"
     loaded = load_for_inference(ckpt)
     assert loaded.step == SAVE_AT
     trainer = Trainer(load_config(None, dist_base + EXTRA + ["--run.dir", str(tmp_path / "r"),

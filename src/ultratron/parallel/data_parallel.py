@@ -13,9 +13,11 @@
 
 DDP cannot take DTensor parameters, so when data parallelism meets tensor parallelism it always
 runs as FSDP2 (zero 0/1 as zero 2: the same arithmetic, sharded state as a bonus). Under pipeline
-parallelism it runs as FSDP2 too: torch's pipeline stages run backward themselves (the zero-bubble
-schedules in separate input and weight parts, which DDP's autograd hooks do not follow) and call
-FSDP2's gradient reduction once after the last micro-batch; each stage is an FSDP root.
+parallelism torch's stages run backward themselves (the zero-bubble schedules in separate input
+and weight parts, which DDP's autograd hooks do not follow) and call FSDP2's gradient reduction
+once after the last micro-batch, each stage an FSDP root; so zero 0 runs as FSDP2's `replicate`
+(DDP's arithmetic: parameters, gradients and optimizer state replicated, gradients all-reduced)
+and zero 1 as zero 2.
 Mixed precision: under bf16 FSDP2 keeps bf16 parameters in flight and reduces in fp32
 (`MixedPrecisionPolicy`); DDP runs bf16 compute through autocast on fp32 weights. Either way the
 master weights, the reductions and the optimizer state are fp32.
@@ -53,6 +55,19 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, plan: Paral
     return model
 
 
+def apply_replicate(model: nn.Module, dims: ParallelDims, plan: ParallelPlan, roots: list[nn.Module]) -> nn.Module:
+    """DDP under pipeline parallelism: FSDP2's `replicate` on each block and each stage, which torch's
+    pipeline stages drive like FSDP2. Parameters stay fp32 (bf16 compute runs through autocast, as
+    with DDP); gradients are all-reduced in fp32."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for block in plan.blocks(model).values():
+        replicate(block, mesh=dims.dp_mesh)
+    for root in roots:
+        replicate(root, mesh=dims.dp_mesh)
+    return model
+
+
 def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -70,6 +85,8 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, precision: str, pl
         return model
     if dims.uses_fsdp:
         return apply_fsdp(model, dims, precision, plan, roots)
+    if roots is not None:  # pipeline stages, zero 0
+        return apply_replicate(model, dims, plan, roots)
     return apply_ddp(model, dims)
 
 

@@ -65,8 +65,9 @@ class ParallelDims:
     @property
     def uses_fsdp(self) -> bool:
         """FSDP2 for ZeRO 2/3 and HSDP; also when dp meets tp, since DDP takes no DTensor parameters,
-        and when dp meets pp (see parallel/data_parallel.py)."""
-        return self.dp > 1 and (self.zero >= 2 or self.dp_replicate > 1 or self.tp > 1 or self.pp > 1)
+        and for ZeRO-1 under pp (see parallel/data_parallel.py; zero 0 there is FSDP2's replicate)."""
+        return self.dp > 1 and (self.zero >= 2 or self.dp_replicate > 1 or self.tp > 1
+                                or (self.pp > 1 and self.zero == 1))
 
     # ---- ranks ----------------------------------------------------------------------------------
     @property
