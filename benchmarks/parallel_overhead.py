@@ -24,6 +24,7 @@ LAYOUTS = {
     "dp2 zero3": (2, ["--parallel.dp", "2", "--parallel.zero", "3"]),
     "tp2": (2, ["--parallel.tp", "2"]),
     "tp2+sp": (2, ["--parallel.tp", "2", "--parallel.sp", "true"]),
+    "pp2 1f1b": (2, ["--parallel.pp", "2"]),
     "dp2×tp2+sp zero3": (4, ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.sp", "true",
                              "--parallel.zero", "3"]),
     "hsdp 2×2 zero3": (4, ["--parallel.dp", "4", "--parallel.dp_replicate", "2", "--parallel.zero", "3"]),

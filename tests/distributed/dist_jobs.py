@@ -39,3 +39,32 @@ def measure_zero_stages(base: list[str], out_dir: str) -> None:
         results[zero] = {"parameters": after_step["parameters"], "gradients": after_backward["gradients"],
                          "optimizer_states": after_step["optimizer_states"]}
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+
+
+def measure_pipeline_memory(base: list[str], schedules: list[str], out_dir: str) -> None:
+    """For each schedule under pp2: this rank's parameter, gradient and optimizer bytes and the peak
+    of the activations its schedule keeps alive (the second step, after torch's first-step shape
+    inference), written to out_dir/rank<r>.json."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from ultratron.config import load_config
+    from ultratron.parallel.memory import SavedActivations, measured_bytes
+    from ultratron.training.trainer import Trainer
+
+    results = {}
+    for schedule in schedules:
+        trainer = Trainer(load_config(None, base + ["--parallel.pp", "2", "--parallel.pp_schedule", schedule,
+                                                    "--run.dir", f"{out_dir}/{schedule}"]), echo=False)
+        trainer.train_step()
+        m = trainer.cfg.grad_accum_steps
+        with SavedActivations(trainer.model) as meter:
+            trainer.strategy.forward_backward(trainer.train_loader.next_batch, m)
+        after_backward = measured_bytes(trainer.model, trainer.optimizer)
+        trainer.optimizer.step()
+        results[schedule] = {"parameters": after_backward["parameters"], "gradients": after_backward["gradients"],
+                             "optimizer_states": measured_bytes(trainer.model, trainer.optimizer)["optimizer_states"],
+                             "activations": meter.peak, "left_alive": meter.live}
+    Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))

@@ -8,10 +8,11 @@ from ultratron.planning.memory import (
     GiB,
     Layout,
     estimate_memory,
-    in_flight_micro_batches,
+    estimate_memory_per_rank,
     textbook_layer_activation_bytes,
 )
 from ultratron.planning.params import count_params_of
+from ultratron.planning.pipeline import stage_split
 
 # The textbook's assumptions: multi-head attention, a 4h MLP (GPT-3 / Megatron shapes).
 TEXTBOOK = SimpleNamespace(n_layers=32, dim=4096, n_heads=32, n_kv_heads=32, ffn_dim=4 * 4096,
@@ -60,18 +61,30 @@ def test_tensor_and_pipeline_parallel_split_the_weights():
     norms = 32 * 2 * LLAMA8B.dim + LLAMA8B.dim  # replicated on every TP rank
     assert tp8 == pytest.approx((counts.total - norms) / 8 + norms)
     pp4 = estimate_memory(LLAMA8B, Layout(pp=4, grad_acc=8, seq=2048))
-    assert pp4.extra["layers_on_stage"] == 8
+    # the trainer's split (balanced by FLOPs: the head is worth about two layers) gives rank 0 nine
+    split = stage_split(LLAMA8B, 4, seq=2048)
+    assert sum(split) == 32 and split[0] > split[-1]
+    assert pp4.extra["layers_on_stage"] == split[0]
     # The first stage holds 4 micro-batches in flight with 1F1B and wins over the last stage's head.
-    assert pp4.stage == "first" and pp4.extra["in_flight_micro_batches"] == 4
+    assert pp4.stage == "first" and pp4.extra["in_flight_micro_batches"] == [4]
+    even = estimate_memory(LLAMA8B, Layout(pp=4, grad_acc=8, seq=2048, pp_split="8,8,8,8"))
+    assert even.extra["layers_on_stage"] == 8 and even.parameters < pp4.parameters
 
 
-def test_pipeline_schedules_in_flight():
-    assert in_flight_micro_batches(Layout(pp=4, grad_acc=16, pp_schedule="afab"), "first") == 16
-    assert in_flight_micro_batches(Layout(pp=4, grad_acc=16, pp_schedule="1f1b"), "first") == 4
-    assert in_flight_micro_batches(Layout(pp=4, grad_acc=16, pp_schedule="1f1b"), "last") == 1
-    assert in_flight_micro_batches(Layout(pp=4, grad_acc=2, pp_schedule="1f1b"), "first") == 2
-    interleaved = Layout(pp=4, grad_acc=16, pp_schedule="interleaved", virtual_stages=2)
-    assert in_flight_micro_batches(interleaved, "first") == pytest.approx(4 * (1 + 3 / 8))
+def test_pipeline_schedules_in_flight_per_rank():
+    def in_flight(**fields):
+        return [r.extra["in_flight_micro_batches"] for r in estimate_memory_per_rank(LLAMA8B, Layout(
+            seq=2048, **fields))]
+
+    assert in_flight(pp=4, grad_acc=16, pp_schedule="gpipe") == [[16]] * 4
+    assert in_flight(pp=4, grad_acc=16, pp_schedule="1f1b") == [[4], [3], [2], [1]]
+    assert in_flight(pp=4, grad_acc=4, pp_schedule="1f1b")[0] == [4]
+    ranks = estimate_memory_per_rank(LLAMA8B, Layout(pp=4, grad_acc=16, seq=2048))
+    assert [r.stage for r in ranks] == ["first", "middle", "middle", "last"]
+    assert ranks[-1].loss_logits > 0 and ranks[0].loss_logits == 0
+    zbv = estimate_memory_per_rank(LLAMA8B, Layout(pp=4, grad_acc=16, seq=2048, pp_schedule="zbv"))
+    assert zbv[0].stage == "first+last" and zbv[0].extra["stages"] == [0, 7]
+    assert zbv[0].extra["params_on_gpu"] > zbv[1].extra["params_on_gpu"]  # the embedding and the head
 
 
 def test_gqa_swiglu_per_op_counts_less_than_textbook_mha():
@@ -90,7 +103,9 @@ def test_bad_layouts_say_what_is_wrong():
     assert "--zero must be 0, 1, 2 or 3" in text
     assert "cp=3 does not divide the sequence length 4096" in text
     assert "'some' is not one of none, selective, full" in text
-    with pytest.raises(UserError, match="interleaved needs --virtual-stages"):
-        estimate_memory(LLAMA8B, Layout(pp=2, pp_schedule="interleaved"))
+    with pytest.raises(UserError, match="pp_schedule=interleaved-1f1b runs several stages per rank"):
+        estimate_memory(LLAMA8B, Layout(pp=2, grad_acc=4, pp_schedule="interleaved-1f1b", virtual_stages=1))
+    with pytest.raises(UserError, match="2 micro-batches per step .--grad-acc. are fewer than the 4 pipeline"):
+        estimate_memory(LLAMA8B, Layout(pp=4, grad_acc=2))
     with pytest.raises(UserError, match="mixture-of-experts"):
         estimate_memory(LLAMA8B, Layout(ep=2))

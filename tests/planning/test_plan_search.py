@@ -7,6 +7,7 @@ from ultratron.models.presets import PRESETS
 from ultratron.planning.hardware import get_accelerator
 from ultratron.planning.memory import Layout, estimate_memory
 from ultratron.planning.params import count_params_of
+from ultratron.planning.pipeline import SCHEDULES
 from ultratron.planning.search import (
     LATENCY_INTRA_S,
     SearchSpec,
@@ -69,7 +70,7 @@ def test_enumeration_respects_node_size_heads_and_batch():
         assert lay.tp <= 8 and 32 % lay.tp == 0 and 8 % lay.tp == 0
         assert lay.n_gpus == 16
         assert lay.dp * lay.mbs * lay.grad_acc * 4096 == MILLION
-        assert lay.pp == 1 or lay.pp_schedule in ("afab", "1f1b", "interleaved")
+        assert lay.pp == 1 or lay.pp_schedule in SCHEDULES
 
 
 def test_cost_model_terms_by_hand():
@@ -86,7 +87,7 @@ def test_cost_model_terms_by_hand():
     assert est.step_s == pytest.approx(est.compute_s + est.dp_exposed_s)
     assert est.mfu == pytest.approx(MILLION / est.step_s / 8 * flops_per_token / 989.4e12)
     piped = estimate_step(spec_for("llama3-8b", 8), Layout(dp=2, zero=1, pp=4, mbs=1, grad_acc=64, seq=8192,
-                                                            pp_schedule="interleaved", virtual_stages=2))
+                                                            pp_schedule="interleaved-1f1b", virtual_stages=2))
     pipelined = piped.compute_s + piped.tp_comm_s + piped.cp_exposed_s + piped.pp_comm_s
     assert piped.bubble_s == pytest.approx(pipelined * 3 / (2 * 64))
 
@@ -103,7 +104,28 @@ def test_written_config_loads_and_matches_the_layout(tmp_path):
     assert cfg.training.batch_tokens == MILLION and cfg.training.micro_batch_size == lay.mbs
     assert cfg.grad_accum_steps == lay.grad_acc
     assert cfg.training.recompute == lay.recompute and cfg.model.n_layers == 32
-    assert "# Pipeline schedule:" in path.read_text()
+
+
+def test_a_pipelined_layout_is_written_with_its_schedule_and_the_trainers_split(tmp_path):
+    """The written config carries the schedule and stages per rank as config fields, and the stage
+    split the search priced is the one the trainer will run (the same function)."""
+    from ultratron.planning.pipeline import stage_split
+
+    spec = spec_for("llama3-8b", 16, seq=4096)
+    piped = [e for e in search(spec, top=0).ranked if e.layout.pp > 1 and e.layout.stages_per_rank > 1]
+    assert piped, "the search considers multi-stage schedules"
+    est = piped[0]
+    path = tmp_path / "piped.toml"
+    path.write_text(config_toml(spec, est, "llama3-8b"))
+    cfg = load_config(path)
+    lay = est.layout
+    assert (cfg.parallel.pp, cfg.parallel.pp_schedule, cfg.parallel.pp_virtual_stages) == (
+        lay.pp, lay.pp_schedule, lay.stages_per_rank)
+    assert cfg.grad_accum_steps == lay.grad_acc
+    planned = est.memory.extra["layers_per_stage"]
+    trainer_split = stage_split(cfg.model, cfg.parallel.pp, cfg.parallel.pp_schedule, cfg.parallel.pp_virtual_stages,
+                                cfg.parallel.pp_balance, cfg.training.seq_len, cfg.parallel.pp_split)
+    assert planned == [trainer_split[s] for s in est.memory.extra["stages"]]
 
 
 def test_bad_search_input():

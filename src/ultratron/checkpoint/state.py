@@ -4,6 +4,11 @@ process) — the same form in one process and in many.
 
 ZeroRedundancyOptimizer (ZeRO-1) has no DCP support: each rank contributes the AdamW state of
 the parameters it owns, under the names every other layout uses, so those checkpoints reshard too.
+
+Tied embeddings: one process keeps one table, saved under both names for the weights but under
+`tok_embeddings.weight` only for the optimizer. A pipeline's last stage keeps a copy of its own as
+`output.weight` (`tied_copies`); its optimizer state is saved and loaded under the original's name,
+so the checkpoint has the same keys in every layout.
 """
 
 from __future__ import annotations
@@ -48,6 +53,27 @@ def _zero1_owned_state(model: nn.Module, optimizer) -> dict:
     return {"state": out}
 
 
+def _copies(model: nn.Module) -> dict[str, str]:
+    return getattr(model, "tied_copies", {})
+
+
+def _to_original_names(state: dict, copies: dict[str, str]) -> dict:
+    """Optimizer state keyed by the names one process uses (a tied copy under its original's)."""
+    out = {name: value for name, value in state.items() if name not in copies}
+    for copy, original in copies.items():
+        if copy in state:
+            out.setdefault(original, state[copy])  # both copies on one rank hold equal state
+    return out
+
+
+def _to_own_names(state: dict, copies: dict[str, str], own: set[str]) -> dict:
+    out = {name: value for name, value in state.items() if name in own}
+    for copy, original in copies.items():
+        if copy in own and original in state:  # its own tensors: the optimizer steps both copies
+            out[copy] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[original].items()}
+    return out
+
+
 class ModelState(Stateful):
     """Model weights, and optionally the optimizer state, of any layout. Only the per-parameter
     optimizer state is loaded: hyperparameters (lr, betas, weight decay) come from this run's config."""
@@ -62,7 +88,8 @@ class ModelState(Stateful):
             return {"model": get_model_state_dict(self.model),
                     "optimizer": _zero1_owned_state(self.model, self.optimizer)}
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optimizer": {"state": optim_state["state"]}}
+        return {"model": model_state,
+                "optimizer": {"state": _to_original_names(optim_state["state"], _copies(self.model))}}
 
     def load_state_dict(self, state: dict) -> None:
         if self.optimizer is None or _is_zero1(self.optimizer):
@@ -70,6 +97,6 @@ class ModelState(Stateful):
             return
         # set_state_dict wants the param groups too: this run's own, keyed by name as in the state.
         _, current = get_state_dict(self.model, self.optimizer)
+        optim = _to_own_names(state["optimizer"]["state"], _copies(self.model), set(current["state"]))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict={"state": state["optimizer"]["state"],
-                                         "param_groups": current["param_groups"]})
+                       optim_state_dict={"state": optim, "param_groups": current["param_groups"]})

@@ -21,12 +21,22 @@ from types import SimpleNamespace
 from ultratron.errors import UserError
 from ultratron.models.presets import PRESETS
 from ultratron.planning import hardware, scaling
-from ultratron.planning.memory import ACTIVATION_MODELS, PRECISIONS, GiB, Layout, MemoryBreakdown, estimate_memory
+from ultratron.planning.memory import (
+    ACTIVATION_MODELS,
+    PRECISIONS,
+    GiB,
+    Layout,
+    MemoryBreakdown,
+    estimate_memory_per_rank,
+)
 from ultratron.planning.params import count_params_of
+from ultratron.planning.pipeline import BALANCES, SCHEDULES
 from ultratron.planning.rules import shape_problems
 
 SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
-SWEEPABLE = ("dp", "zero", "tp", "pp", "virtual_stages", "cp", "ep", "mbs", "grad_acc", "seq", "recompute")
+SWEEPABLE = ("dp", "zero", "tp", "pp", "pp_schedule", "virtual_stages", "cp", "ep", "mbs", "grad_acc", "seq",
+             "recompute")
+TEXT_SWEEPS = ("pp_schedule", "recompute")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,11 +44,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub.required = True
     mem = sub.add_parser("memory", help="bytes per GPU for a model and one or more layouts")
     _model_arguments(mem)
-    for name, default in (("dp", "1"), ("zero", "0"), ("tp", "1"), ("pp", "1"), ("virtual-stages", "1"),
+    for name, default in (("dp", "1"), ("zero", "0"), ("tp", "1"), ("pp", "1"), ("virtual-stages", "0"),
                           ("cp", "1"), ("ep", "1"), ("mbs", "1"), ("grad-acc", "1"), ("seq", "4096")):
-        mem.add_argument(f"--{name}", default=default, help=f"integer or comma list (default {default})")
+        extra = "; pipeline stages per rank, 0: the schedule's own" if name == "virtual-stages" else ""
+        mem.add_argument(f"--{name}", default=default, help=f"integer or comma list (default {default}{extra})")
     mem.add_argument("--sp", action="store_true", help="sequence parallel (with tp > 1)")
-    mem.add_argument("--pp-schedule", default="1f1b", choices=("afab", "1f1b", "interleaved"))
+    mem.add_argument("--pp-schedule", default="1f1b",
+                     help=f"pipeline schedule, as the trainer's parallel.pp_schedule: {', '.join(SCHEDULES)}, "
+                          "or a comma list")
+    mem.add_argument("--pp-split", help="layers per pipeline stage, comma-separated (as parallel.pp_split)")
+    mem.add_argument("--pp-balance", default="flops", choices=BALANCES,
+                     help="what the default stage split evens out (as parallel.pp_balance)")
     mem.add_argument("--recompute", default="none", help="none|selective|full, or a comma list")
     mem.add_argument("--precision", default="bf16", choices=PRECISIONS)
     mem.add_argument("--fp32-grad-accum", action="store_true", help="keep an fp32 gradient-accumulation buffer")
@@ -196,8 +212,9 @@ def memory_layouts(args) -> list[Layout]:
     sweep: dict[str, list] = {}
     for name in SWEEPABLE:
         raw = getattr(args, name)
-        sweep[name] = [v.strip() for v in str(raw).split(",")] if name == "recompute" else _int_list(name, raw)
-    base = dict(sp=args.sp, pp_schedule=args.pp_schedule, precision=args.precision,
+        sweep[name] = [v.strip() for v in str(raw).split(",")] if name in TEXT_SWEEPS else _int_list(name, raw)
+    base = dict(sp=args.sp, pp_split=args.pp_split, pp_balance=args.pp_balance,
+                precision=args.precision,
                 fp32_grad_accum=args.fp32_grad_accum,
                 attention_fp32=args.attention_fp32)
     return [Layout(**base, **dict(zip(sweep, combo, strict=True))) for combo in itertools.product(*sweep.values())]
@@ -209,12 +226,16 @@ def run_memory(args) -> int:
     if len(layouts) > 64:
         raise UserError(f"the sweep makes {len(layouts)} layouts; keep it to 64 or fewer")
     results: list[tuple[Layout, MemoryBreakdown]] = []
+    per_rank: list[list[MemoryBreakdown]] = []
     problems: list[str] = []
     for layout in layouts:
         try:
-            results.append((layout, estimate_memory(shape, layout, args.activation_model)))
+            ranks = estimate_memory_per_rank(shape, layout, args.activation_model)
         except UserError as err:
             problems += [f"{layout.describe()}: {p}" for p in err.problems]
+            continue
+        per_rank.append(ranks)
+        results.append((layout, max(ranks, key=lambda m: m.peak_bytes)))
     if problems:
         raise UserError(problems)
     counts = count_params_of(shape)
@@ -222,7 +243,9 @@ def run_memory(args) -> int:
         print(json.dumps({
             "model": vars(shape), "params": counts.total, "activation_model": args.activation_model,
             "peak_bytes": max(m.peak_bytes for _, m in results),
-            "layouts": [{"layout": asdict(lay), "describe": lay.describe(), **mem.as_dict()} for lay, mem in results],
+            "layouts": [{"layout": asdict(lay), "describe": lay.describe(), **mem.as_dict(),
+                         "pipeline_ranks": [r.as_dict() for r in ranks] if lay.pp > 1 else []}
+                        for (lay, mem), ranks in zip(results, per_rank, strict=True)],
         }, indent=1))
     else:
         print(f"model: {args.model or 'custom'} — {counts.total / 1e9:.3f}B parameters; activations: "
@@ -230,7 +253,8 @@ def run_memory(args) -> int:
         header = ["term"] + [f"#{i + 1}" for i in range(len(results))]
         rows = [[term] + [_gib(getattr(m, term)) for _, m in results] for term in MemoryBreakdown.TERMS]
         rows.append(["peak"] + [_gib(m.peak_bytes) for _, m in results])
-        rows.append(["stage"] + [m.stage for _, m in results])
+        rows.append(["stage"] + [m.stage if lay.pp == 1 else f"{m.stage} (rank {m.extra['pp_rank']})"
+                                 for lay, m in results])
         print(_table(header, rows))
         for i, (lay, _) in enumerate(results):
             print(f"#{i + 1}: {lay.describe()} seq={lay.seq} {lay.precision}"

@@ -9,7 +9,7 @@ from ultratron.planning.search import Estimate, SearchSpec
 
 
 def layout_config(spec: SearchSpec, layout: Layout, preset: str | None = None):
-    """A ready-to-run ultratron Config for a layout (the pipeline schedule goes in the TOML's header)."""
+    """A ready-to-run ultratron Config for a layout, its pipeline schedule and stage split included."""
     cfg = Config()
     model = cfg.model
     model.preset = preset
@@ -20,6 +20,9 @@ def layout_config(spec: SearchSpec, layout: Layout, preset: str | None = None):
     par = cfg.parallel
     par.dp, par.zero, par.tp, par.sp, par.pp, par.cp, par.ep = (
         layout.dp, layout.zero, layout.tp, layout.sp, layout.pp, layout.cp, layout.ep)
+    if layout.pp > 1:
+        par.pp_schedule, par.pp_virtual_stages = layout.pp_schedule, layout.stages_per_rank
+        par.pp_split, par.pp_balance = layout.pp_split, layout.pp_balance
     train = cfg.training
     train.batch_tokens = spec.global_batch_tokens
     train.micro_batch_size = layout.mbs
@@ -36,8 +39,6 @@ def config_toml(spec: SearchSpec, est: Estimate, preset: str | None = None) -> s
     header = [
         f"# Written by `ultratron plan search` for {spec.n_gpus} × {spec.accelerator.name}.",
         f"# Layout: {lay.describe()}",
-        f"# Pipeline schedule: {lay.pp_schedule}, virtual stages {lay.virtual_stages}"
-        " (not yet a config field: set them where the trainer takes them).",
         f"# Estimated: {est.memory.peak_bytes / GiB:.1f} GiB per GPU, {est.step_s:.2f} s per step, "
         f"{est.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {est.mfu:.1%}.",
         f"# Launch: torchrun --nproc-per-node {min(spec.gpus_per_node, spec.n_gpus)} "

@@ -25,7 +25,8 @@ from ultratron.config.loader import (
 from ultratron.data.mixture_spec import parse_mixture
 from ultratron.errors import ConfigError
 from ultratron.models.presets import PRESETS
-from ultratron.planning.rules import layout_problems, shape_problems
+from ultratron.planning.pipeline import BALANCES, SCHEDULES
+from ultratron.planning.rules import layout_problems, pipeline_problems, shape_problems
 
 ROPE_SCALINGS = ("none", "linear", "llama3")
 # The numbers each RoPE scaling needs (Llama 3.1's config.json names them so).
@@ -70,7 +71,18 @@ class ParallelConfig:
                        choices=(0, 1, 2, 3))
     tp: int = option(1, "tensor-parallel degree")
     sp: bool = option(False, "sequence parallel (needs tp > 1)")
-    pp: int = option(1, "pipeline-parallel degree")
+    pp: int = option(1, "pipeline-parallel degree: the layers run as stages on pp ranks (docs/parallel.md)")
+    pp_schedule: str = option("1f1b", "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b, "
+                                      "interleaved-1f1b (several stages per rank), zb (interleaved zero "
+                                      "bubble), zbv (zero bubble on a V), dualpipev", choices=SCHEDULES)
+    pp_virtual_stages: int = option(0, "pipeline stages per rank; 0: the schedule's own (1 for gpipe and 1f1b, "
+                                       "else 2); interleaved-1f1b and zb take any ≥ 2, zbv and dualpipev 2")
+    pp_split: str | None = option(None, "layers per pipeline stage in stage order, comma-separated (e.g. 3,5): "
+                                        "pp × stages-per-rank entries adding up to model.n_layers; default: "
+                                        "balanced by parallel.pp_balance")
+    pp_balance: str = option("flops", "what the default stage split evens out: flops (training FLOPs per token) "
+                                      "or params; the embedding counts on the first stage, the head on the last",
+                             choices=BALANCES)
     cp: int = option(1, "context-parallel degree")
     ep: int = option(1, "expert-parallel degree")
 
@@ -289,10 +301,10 @@ def _parallel_problems(par: ParallelConfig) -> list[str]:
     if par.sp and par.tp == 1:
         p.append("parallel.sp=true needs parallel.tp > 1 (sequence parallel splits the norm regions over the "
                  "tensor-parallel ranks)")
-    for name in ("pp", "cp", "ep"):
+    for name in ("cp", "ep"):
         if getattr(par, name) > 1:
-            p.append(f"parallel.{name}={getattr(par, name)}: this build trains with data and tensor parallelism "
-                     f"only; set parallel.{name}=1")
+            p.append(f"parallel.{name}={getattr(par, name)}: this build trains with data, tensor and pipeline "
+                     f"parallelism only; set parallel.{name}=1")
     return p
 
 
@@ -327,6 +339,10 @@ def validate(cfg: Config) -> None:
         lower = max(micro, t.batch_tokens // micro * micro)
         p.append(f"training.batch_tokens={t.batch_tokens} is not divisible by micro_batch_size × seq_len × dp = "
                  f"{t.micro_batch_size} × {t.seq_len} × {par.dp} = {micro}; try {lower} or {lower + micro}")
+    p += pipeline_problems(m, pp=par.pp, schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
+                           split=par.pp_split, micro_batches=None if t.batch_tokens % micro else cfg.grad_accum_steps,
+                           micro_batches_from="training.batch_tokens ÷ (micro_batch_size × seq_len × dp)",
+                           dp=par.dp, zero=par.zero, recompute=t.recompute)
     if o.lr <= 0:
         p.append(f"optim.lr must be positive, got {o.lr}")
     if not 0 <= o.min_lr_ratio <= 1:

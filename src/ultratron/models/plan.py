@@ -18,4 +18,9 @@ class ParallelPlan:
     blocks: Callable[[nn.Module], nn.ModuleDict]  # the repeated blocks (FSDP units, recompute, stages)
     tensor_parallel: Callable[[bool], tuple[dict, dict]]  # sequence parallel? → (root plan, block plan)
     tie_weights: Callable[[nn.Module], None]  # restore tied parameters after TP replaced them
+    # (model or pipeline part, block names, holds the first stage?, holds the last?) → a module with
+    # those blocks (plus the embedding / the head) under the full model's parameter names; its
+    # `tied_copies` maps a tied parameter's copy to the original, `sequence_shards` is set to how
+    # many ranks sequence parallel splits the activations between stages over
+    pipeline_stage: Callable[[nn.Module, list[str], bool, bool], nn.Module]
 

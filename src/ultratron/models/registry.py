@@ -6,9 +6,10 @@ from torch import nn
 
 from ultratron.models.llama.model import Llama
 from ultratron.models.llama.parallel_plan import PLAN as LLAMA_PLAN
+from ultratron.models.llama.parallel_plan import LlamaStage
 from ultratron.models.plan import ParallelPlan
 
-PLANS: dict[type, ParallelPlan] = {Llama: LLAMA_PLAN}
+PLANS: dict[type, ParallelPlan] = {Llama: LLAMA_PLAN, LlamaStage: LLAMA_PLAN}
 
 
 def plan_of(model: nn.Module) -> ParallelPlan:

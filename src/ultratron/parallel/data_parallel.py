@@ -12,7 +12,12 @@
           dp / dp_replicate ranks and replicated (all-reduced) across the groups.
 
 DDP cannot take DTensor parameters, so when data parallelism meets tensor parallelism it always
-runs as FSDP2 (zero 0/1 as zero 2: the same arithmetic, sharded state as a bonus).
+runs as FSDP2 (zero 0/1 as zero 2: the same arithmetic, sharded state as a bonus). Under pipeline
+parallelism torch's stages run backward themselves (the zero-bubble schedules in separate input
+and weight parts, which DDP's autograd hooks do not follow) and call FSDP2's gradient reduction
+once after the last micro-batch, each stage an FSDP root; so zero 0 runs as FSDP2's `replicate`
+(DDP's arithmetic: parameters, gradients and optimizer state replicated, gradients all-reduced)
+and zero 1 as zero 2.
 Mixed precision: under bf16 FSDP2 keeps bf16 parameters in flight and reduces in fp32
 (`MixedPrecisionPolicy`); DDP runs bf16 compute through autocast on fp32 weights. Either way the
 master weights, the reductions and the optimizer state are fp32.
@@ -30,9 +35,11 @@ from ultratron.models.plan import ParallelPlan
 from ultratron.parallel.dims import ParallelDims
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, plan: ParallelPlan) -> nn.Module:
+def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, plan: ParallelPlan,
+               roots: list[nn.Module] | None = None) -> nn.Module:
     """Shard each transformer block, then the root (which holds the embedding, the final norm and the
-    output head: with tied embeddings these share one parameter, so they must stay in one group)."""
+    output head: with tied embeddings these share one parameter, so they must stay in one group).
+    Under pipeline parallelism each stage module is a root (`roots`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else None,
@@ -43,7 +50,21 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, plan: Paral
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     # The root's parameters are the first used in backward's end; keeping them gathered avoids an
     # all-gather that would be needed again at once (as torchtitan does).
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    for root in roots or [model]:
+        fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    return model
+
+
+def apply_replicate(model: nn.Module, dims: ParallelDims, plan: ParallelPlan, roots: list[nn.Module]) -> nn.Module:
+    """DDP under pipeline parallelism: FSDP2's `replicate` on each block and each stage, which torch's
+    pipeline stages drive like FSDP2. Parameters stay fp32 (bf16 compute runs through autocast, as
+    with DDP); gradients are all-reduced in fp32."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for block in plan.blocks(model).values():
+        replicate(block, mesh=dims.dp_mesh)
+    for root in roots:
+        replicate(root, mesh=dims.dp_mesh)
     return model
 
 
@@ -58,11 +79,14 @@ def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
     return ddp
 
 
-def apply_data_parallel(model: nn.Module, dims: ParallelDims, precision: str, plan: ParallelPlan) -> nn.Module:
+def apply_data_parallel(model: nn.Module, dims: ParallelDims, precision: str, plan: ParallelPlan,
+                        roots: list[nn.Module] | None = None) -> nn.Module:
     if dims.dp == 1:
         return model
     if dims.uses_fsdp:
-        return apply_fsdp(model, dims, precision, plan)
+        return apply_fsdp(model, dims, precision, plan, roots)
+    if roots is not None:  # pipeline stages, zero 0
+        return apply_replicate(model, dims, plan, roots)
     return apply_ddp(model, dims)
 
 

@@ -72,14 +72,22 @@ class ParallelDims:
 
     @property
     def uses_fsdp(self) -> bool:
-        """FSDP2 for ZeRO 2/3 and HSDP; also when dp meets tp, since DDP takes no DTensor parameters."""
-        return self.dp > 1 and (self.zero >= 2 or self.dp_replicate > 1 or self.tp > 1)
+        """FSDP2 for ZeRO 2/3 and HSDP; also when dp meets tp, since DDP takes no DTensor parameters,
+        and for ZeRO-1 under pp (see parallel/data_parallel.py; zero 0 there is FSDP2's replicate)."""
+        return self.dp > 1 and (self.zero >= 2 or self.dp_replicate > 1 or self.tp > 1
+                                or (self.pp > 1 and self.zero == 1))
 
     # ---- ranks ----------------------------------------------------------------------------------
     @property
     def dp_rank(self) -> int:
-        """This rank's index among the data-parallel ranks (tp is innermost, so rank // tp)."""
+        """This rank's index among the data-parallel ranks (tp is innermost, so rank // tp; pp is
+        outermost, so the same dp rank recurs in every pipeline stage)."""
         return (self.rank // (self.tp * self.cp)) % self.dp
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline rank (the outermost mesh dimension)."""
+        return self.rank // (self.dp * self.cp * self.tp)
 
     @property
     def is_main(self) -> bool:
@@ -133,8 +141,8 @@ class ParallelDims:
     def build_mesh(self, device_type: str = "cpu"):
         from torch.distributed.device_mesh import init_device_mesh
 
-        names = ("dp_replicate", "dp_shard", "tp")
-        sizes = (self.dp_replicate, self.dp_shard, self.tp)
+        names = ("pp", "dp_replicate", "dp_shard", "tp")
+        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         kept = [(n, s) for n, s in zip(names, sizes, strict=True) if s > 1] or [("dp_shard", 1)]
         self.mesh = init_device_mesh(device_type, tuple(s for _, s in kept), mesh_dim_names=tuple(n for n, _ in kept))
         return self.mesh
@@ -154,3 +162,12 @@ class ParallelDims:
     @property
     def tp_mesh(self):
         return self.submesh("tp")
+
+    @property
+    def pp_mesh(self):
+        return self.submesh("pp")
+
+    @property
+    def pp_group(self):
+        """The process group of this rank's pipeline (one rank per stage), or None without pp."""
+        return self.pp_mesh.get_group() if self.pp > 1 else None

@@ -1,7 +1,10 @@
 """Apply parallelism to a plain model from outside, in one fixed order:
-TP/SP → CP → activation recomputation → compile → FSDP/DDP. Each axis lives in its own module and
-cuts the model where its family's plan (`models/*/parallel_plan.py`) says; this file only orders
-them and gives a training step the few hooks it needs per micro-batch."""
+PP → TP/SP → CP → activation recomputation → compile → FSDP/DDP. Each axis lives in its own module
+and cuts the model where its family's plan (`models/*/parallel_plan.py`) says; this file only
+orders them and gives a training step the few hooks it needs per micro-batch.
+
+Under pipeline parallelism the pipeline cut comes first: this rank keeps its stages' part of the
+model, the other axes apply to that part, and FSDP takes each stage as a root."""
 
 from __future__ import annotations
 
@@ -12,16 +15,20 @@ from torch import nn
 from ultratron.models.registry import plan_of
 from ultratron.parallel.data_parallel import apply_data_parallel, gradient_sync
 from ultratron.parallel.dims import ParallelDims
+from ultratron.parallel.pipeline import build_stages, split_model
 from ultratron.parallel.recompute import apply_recompute
 from ultratron.parallel.tensor_parallel import apply_tensor_parallel, loss_context
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
     plan = plan_of(model)
+    if dims.pp > 1:
+        model = split_model(model, dims, cfg, plan)
     model = apply_tensor_parallel(model, dims, plan)
     # (context parallel and torch.compile plug in here, in this order)
     model = apply_recompute(model, cfg.training.recompute, plan)
-    return apply_data_parallel(model, dims, cfg.training.precision, plan)
+    roots = build_stages(model, dims, plan) if dims.pp > 1 else None
+    return apply_data_parallel(model, dims, cfg.training.precision, plan, roots)
 
 
 @contextlib.contextmanager

@@ -29,7 +29,9 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: ParallelPl
     if dims.tp == 1:
         return model
     root_plan, block_plan = plan.tensor_parallel(dims.sp)
-    parallelize_module(model, dims.tp_mesh, root_plan)
+    # A pipeline part holds the embedding or the head only where its stages need them.
+    parallelize_module(model, dims.tp_mesh, {name: style for name, style in root_plan.items()
+                                             if getattr(model, name.split(".")[0], None) is not None})
     for block in plan.blocks(model).values():
         parallelize_module(block, dims.tp_mesh, block_plan)
     plan.tie_weights(model)

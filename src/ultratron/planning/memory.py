@@ -31,10 +31,16 @@ Activations (saved for backward, per layer and micro-batch), two estimators:
   Both: CP divides tokens by cp; the loss keeps fp32 log-probabilities 4·T·v/t (vocab-parallel)
   and the int64 targets 8·T.
 
-Pipeline schedules hold several micro-batches' activations on a stage: AFAB (GPipe) all m;
-1F1B min(p, m) on the first stage and 1 on the last; interleaved with v chunks on the first stage
-p·(1 + (p−1)/(p·v)) (Korthikanti §4.2.3). Both the first and the last stage are estimated and the
-heavier one is reported.
+Pipeline parallel: the stages, their layers and their ranks come from `planning.pipeline` — the
+same split and placement the trainer runs. A rank holds the parameters of its stages (the embedding
+with the first, the final norm and a head — its own copy when tied — with the last). Its schedule
+keeps several micro-batches' activations alive at once: the planner walks the order the schedule
+runs (`planning.pipeline.schedule_events`, checked against torch's) and takes the moment the
+rank's activations peak (GPipe: all m; 1F1B: pp − rank; interleaved and zero bubble: their warm-up
+depth; the V schedules about 2·pp stage-chunks). torch's stages also keep a receive buffer per
+micro-batch for the activations (and for their gradients) of each stage that has a neighbour on
+another rank. Every pipeline rank is estimated; the heaviest is reported
+(`estimate_memory_per_rank` gives each).
 
 Peak = static + communication buffers + the larger of (activations + the transient loss logits +
 one recomputed layer) and (the optimizer step's temporaries: torch's foreach AdamW allocates an
@@ -43,15 +49,22 @@ fp32 tensor per parameter shard for sqrt(v)).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 from ultratron.errors import UserError
 from ultratron.planning.params import count_params_of
-from ultratron.planning.rules import layout_problems, short_name
+from ultratron.planning.pipeline import (
+    BALANCES,
+    SCHEDULES,
+    peak_in_flight,
+    rank_stages,
+    stage_ranks,
+    stage_split,
+    stages_per_rank,
+)
+from ultratron.planning.rules import layout_problems, pipeline_problems, short_name
 
 GiB = 1024**3
-SCHEDULES = ("afab", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp32")
 ACTIVATION_MODELS = ("per-op", "textbook")
@@ -68,7 +81,9 @@ class Layout:
     sp: bool = False
     pp: int = 1
     pp_schedule: str = "1f1b"
-    virtual_stages: int = 1
+    virtual_stages: int = 0  # stages per pipeline rank; 0: the schedule's own (planning.pipeline)
+    pp_split: str | None = None  # layers per stage, as parallel.pp_split; None: balanced by pp_balance
+    pp_balance: str = "flops"
     cp: int = 1
     ep: int = 1
     mbs: int = 1
@@ -90,6 +105,10 @@ class Layout:
         return 2 if self.precision == "bf16" else 4
 
     @property
+    def stages_per_rank(self) -> int:
+        return stages_per_rank(self.pp_schedule, self.virtual_stages) if self.pp > 1 else 1
+
+    @property
     def shard_group(self) -> int:
         """Ranks that ZeRO shards optimizer state, gradients and parameters over."""
         return self.dp * self.cp
@@ -101,7 +120,9 @@ class Layout:
         parts.append(f"tp={self.tp}{'+sp' if self.sp and self.tp > 1 else ''}")
         parts.append(f"pp={self.pp}")
         if self.pp > 1:
-            parts.append(self.pp_schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else ""))
+            v = self.stages_per_rank
+            split = f"[{self.pp_split}]" if self.pp_split else ""
+            parts.append(self.pp_schedule + (f"(v={v})" if v > 1 else "") + split)
         parts.append(f"cp={self.cp}")
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
@@ -122,7 +143,7 @@ class MemoryBreakdown:
     loss_logits: float  # the fp32 log-probabilities kept for the cross-entropy backward
     comm_buffers: float
     transient: float  # what is briefly alive at the peak on top of the above (see the module doc)
-    stage: str  # "only", "first" or "last"
+    stage: str  # "only", or the pipeline rank's stages: "first", "last", "first+last" or "middle"
     extra: dict = field(default_factory=dict)
 
     TERMS = ("parameters", "gradients", "grad_accum_buffer", "master_weights", "optimizer_states",
@@ -144,32 +165,39 @@ class MemoryBreakdown:
         return out
 
 
+def _flag_name(field: str) -> str:
+    """A config field's name as the planner's layout says it (parallel.pp_virtual_stages → virtual_stages)."""
+    short = short_name(field)
+    return {"pp_virtual_stages": "virtual_stages"}.get(short, short)
+
+
 def check_layout(shape, layout: Layout) -> list[str]:
     """Problems that make a layout impossible for a shape, one line each (empty when fine)."""
     p: list[str] = []
-    for name in ("dp", "tp", "pp", "cp", "ep", "mbs", "grad_acc", "seq", "virtual_stages"):
+    for name in ("dp", "tp", "pp", "cp", "ep", "mbs", "grad_acc", "seq"):
         if getattr(layout, name) < 1:
             p.append(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(layout, name)}")
+    if layout.virtual_stages < 0:
+        p.append(f"--virtual-stages must be ≥ 0 (0: the schedule's own), got {layout.virtual_stages}")
     if p:
         return p
     if layout.zero not in (0, 1, 2, 3):
         p.append(f"--zero must be 0, 1, 2 or 3, got {layout.zero}")
     if layout.pp_schedule not in SCHEDULES:
         p.append(f"--pp-schedule {layout.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if layout.pp_balance not in BALANCES:
+        p.append(f"--pp-balance {layout.pp_balance!r} is not one of {', '.join(BALANCES)}")
     if layout.recompute not in RECOMPUTE:
         p.append(f"--recompute {layout.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if layout.precision not in PRECISIONS:
         p.append(f"--precision {layout.precision!r} is not one of {', '.join(PRECISIONS)}")
     p += layout_problems(shape, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, seq=layout.seq,
                          name=short_name)
-    if layout.pp_schedule == "interleaved":
-        if layout.virtual_stages < 2:
-            p.append("--pp-schedule interleaved needs --virtual-stages ≥ 2")
-        elif layout.pp * layout.virtual_stages > shape.n_layers:
-            p.append(f"pp×virtual_stages = {layout.pp * layout.virtual_stages} "
-                     f"exceeds n_layers={shape.n_layers}")
-    elif layout.virtual_stages != 1:
-        p.append(f"--virtual-stages {layout.virtual_stages} needs --pp-schedule interleaved")
+    if not p:
+        p += pipeline_problems(shape, pp=layout.pp, schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages,
+                               split=layout.pp_split, micro_batches=layout.grad_acc, micro_batches_from="--grad-acc",
+                               dp=layout.shard_group, zero=layout.zero, recompute=layout.recompute,
+                               name=_flag_name)
     return p
 
 
@@ -234,32 +262,48 @@ def layer_activation_bytes(shape, layout: Layout, model: str = "per-op",
     return per_op_layer_activation_bytes(shape, layout, recompute)
 
 
-def in_flight_micro_batches(layout: Layout, stage: str) -> float:
-    """How many micro-batches' worth of a stage's activations are alive at once."""
-    m, p, v = layout.grad_acc, layout.pp, layout.virtual_stages
-    if p == 1:
-        return 1.0
-    if layout.pp_schedule == "afab":
-        return float(m)
-    if layout.pp_schedule == "1f1b":
-        return float(min(p, m)) if stage == "first" else 1.0
-    if stage == "first":  # interleaved (Korthikanti §4.2.3)
-        return min(float(m), p * (1 + (p - 1) / (p * v)))
-    return min(float(m), ((v - 1) * p + 1) / v)
+@dataclass(frozen=True)
+class PipelineRank:
+    """What one pipeline rank runs: its stages, their layers, and whether it holds the ends."""
+
+    rank: int
+    stages: list[int]
+    layers: list[int]  # per stage, in the order of `stages`
+    first: bool
+    last: bool
+
+    @property
+    def name(self) -> str:
+        if self.first and self.last:
+            return "only" if len(self.stages) == 1 else "first+last"
+        return "first" if self.first else "last" if self.last else "middle"
 
 
-def _stage_params(shape, layout: Layout, stage: str) -> float:
+def pipeline_ranks(shape, layout: Layout) -> list[PipelineRank]:
+    """Every pipeline rank's stages and layers, from the trainer's own split and placement."""
+    if layout.pp == 1:
+        return [PipelineRank(0, [0], [shape.n_layers], True, True)]
+    split = stage_split(shape, layout.pp, layout.pp_schedule, layout.virtual_stages, layout.pp_balance,
+                        layout.seq, layout.pp_split)
+    ranks = stage_ranks(layout.pp_schedule, layout.pp, layout.virtual_stages)
+    out = []
+    for rank in range(layout.pp):
+        stages = rank_stages(layout.pp_schedule, layout.pp, layout.virtual_stages, rank)
+        out.append(PipelineRank(rank, stages, [split[s] for s in stages], ranks[0] == rank, ranks[-1] == rank))
+    return out
+
+
+def _rank_params(shape, layout: Layout, where: PipelineRank) -> float:
     counts = count_params_of(shape)
     t = layout.tp
     norms = 2 * shape.dim + (2 * _head_dim(shape) if getattr(shape, "qk_norm", False) else 0)
     per_layer = (counts.per_layer - norms) / t + norms
-    layers = math.ceil(shape.n_layers / layout.pp)
-    params = layers * per_layer
-    if stage in ("only", "first"):
+    params = sum(where.layers) * per_layer
+    if where.first:
         params += counts.embedding / t
-    if stage in ("only", "last"):
+    if where.last:
         params += counts.final_norm
-        if counts.output or layout.pp > 1:  # a tied head needs its own copy on another stage
+        if counts.output or layout.pp > 1:  # a tied head keeps its own copy under pipeline parallel
             params += counts.embedding / t
     return params
 
@@ -271,8 +315,8 @@ def _bytes_per_param(layout: Layout) -> tuple[int, int, int, int, int]:
     return 2, 2, (4 if layout.fp32_grad_accum else 0), 4, 8
 
 
-def _stage_memory(shape, layout: Layout, stage: str, model: str) -> MemoryBreakdown:
-    params = _stage_params(shape, layout, stage)
+def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> MemoryBreakdown:
+    params = _rank_params(shape, layout, where)
     b_param, b_grad, b_accum, b_master, b_optim = _bytes_per_param(layout)
     n = layout.shard_group
     shard = lambda level: n if layout.zero >= level else 1
@@ -282,22 +326,29 @@ def _stage_memory(shape, layout: Layout, stage: str, model: str) -> MemoryBreakd
     h = shape.dim
     kv = shape.n_kv_heads * _head_dim(shape)
 
-    layers = math.ceil(shape.n_layers / layout.pp)
     per_layer = layer_activation_bytes(shape, layout, model)
-    activations = per_layer * layers * in_flight_micro_batches(layout, stage)
-    loss_logits = 0.0
-    transient = 0.0
-    if stage in ("only", "first"):
-        activations += 8 * tokens  # int64 token ids kept by the embedding backward
-    if stage in ("only", "last"):
-        region_tokens = tokens / (t if layout.sp else 1)
-        if model == "per-op":  # the final norm is never inside a recomputed block
-            mode = "selective" if layout.recompute == "selective" else "none"
-            activations += _norm_bytes(region_tokens, h, p, mode)
-        else:
-            activations += 2 * p * region_tokens * h  # its input and output
-        loss_logits = 4 * tokens * shape.vocab_size / t + 8 * tokens  # log-probs and int64 targets
-        transient = (p + 4) * tokens * shape.vocab_size / t  # logits and their fp32 copy at the loss
+    n_stages = layout.pp * layout.stages_per_rank
+    # Bytes one micro-batch leaves alive on each of the rank's stages, and the loss's share of them.
+    per_stage, loss_share = [], []
+    for stage, layers in zip(where.stages, where.layers, strict=True):
+        alive, loss = per_layer * layers, 0.0
+        if stage == 0:
+            alive += 8 * tokens  # int64 token ids kept by the embedding backward
+        if stage == n_stages - 1:
+            region_tokens = tokens / (t if layout.sp else 1)
+            if model == "per-op":  # the final norm is never inside a recomputed block
+                mode = "selective" if layout.recompute == "selective" else "none"
+                alive += _norm_bytes(region_tokens, h, p, mode)
+            else:
+                alive += 2 * p * region_tokens * h  # its input and output
+            loss = 4 * tokens * shape.vocab_size / t + 8 * tokens  # log-probs and int64 targets
+        per_stage.append(alive + loss)
+        loss_share.append(loss)
+    in_flight = peak_in_flight(layout.pp_schedule, layout.pp, layout.virtual_stages, layout.grad_acc, where.rank,
+                               per_stage)
+    loss_logits = sum(k * loss for k, loss in zip(in_flight, loss_share, strict=True))
+    activations = sum(k * b for k, b in zip(in_flight, per_stage, strict=True)) - loss_logits
+    transient = (p + 4) * tokens * shape.vocab_size / t if where.last else 0.0  # logits + fp32 copy at the loss
     if layout.recompute == "full":
         transient += layer_activation_bytes(shape, layout, model, recompute="none")
 
@@ -309,8 +360,11 @@ def _stage_memory(shape, layout: Layout, stage: str, model: str) -> MemoryBreakd
         comm += 2 * layer_params * b_param + layer_params * 4  # two layers gathered, one reduce-scattered
     if t > 1:
         comm += 2 * p * tokens * h
-    if layout.pp > 1:
-        comm += 2 * p * tokens * h
+    if layout.pp > 1:  # torch's stages keep a receive buffer per micro-batch and neighbour on another rank
+        ranks = stage_ranks(layout.pp_schedule, layout.pp, layout.virtual_stages)
+        remote = sum((s > 0 and ranks[s - 1] != where.rank) + (s < n_stages - 1 and ranks[s + 1] != where.rank)
+                     for s in where.stages)
+        comm += remote * layout.grad_acc * p * tokens * h / (t if layout.sp else 1)
     if layout.cp > 1:
         comm += 2 * p * tokens * 2 * kv / t
     optimizer_temporaries = 4 * params / shard(1)
@@ -329,22 +383,24 @@ def _stage_memory(shape, layout: Layout, stage: str, model: str) -> MemoryBreakd
         loss_logits=loss_logits,
         comm_buffers=comm,
         transient=max(transient, 0.0),
-        stage=stage,
-        extra={"params_on_gpu": params, "layers_on_stage": layers, "per_layer_activation_bytes": per_layer,
-               "in_flight_micro_batches": in_flight_micro_batches(layout, stage), "activation_model": model},
+        stage=where.name,
+        extra={"params_on_gpu": params, "pp_rank": where.rank, "stages": where.stages,
+               "layers_on_stage": sum(where.layers), "layers_per_stage": where.layers,
+               "per_layer_activation_bytes": per_layer, "in_flight_micro_batches": in_flight,
+               "activation_model": model},
     )
 
 
-def estimate_memory(shape, layout: Layout, activation_model: str = "per-op") -> MemoryBreakdown:
-    """Bytes on the heaviest GPU for one training step; raises UserError for an impossible layout."""
+def estimate_memory_per_rank(shape, layout: Layout, activation_model: str = "per-op") -> list[MemoryBreakdown]:
+    """Bytes on each pipeline rank (one entry without pp); raises UserError for an impossible layout."""
     problems = check_layout(shape, layout)
     if activation_model not in ACTIVATION_MODELS:
         problems.append(f"activation model {activation_model!r} is not one of {', '.join(ACTIVATION_MODELS)}")
     if problems:
         raise UserError(problems)
-    if layout.pp == 1:
-        return _stage_memory(shape, layout, "only", activation_model)
-    first = _stage_memory(shape, layout, "first", activation_model)
-    last = _stage_memory(shape, layout, "last", activation_model)
-    return first if first.peak_bytes >= last.peak_bytes else last
+    return [_rank_memory(shape, layout, where, activation_model) for where in pipeline_ranks(shape, layout)]
 
+
+def estimate_memory(shape, layout: Layout, activation_model: str = "per-op") -> MemoryBreakdown:
+    """Bytes on the heaviest GPU for one training step; raises UserError for an impossible layout."""
+    return max(estimate_memory_per_rank(shape, layout, activation_model), key=lambda m: m.peak_bytes)

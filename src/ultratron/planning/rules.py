@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ultratron.planning.pipeline import LOOPED, SINGLE, SPLIT_BACKWARD, V_SHAPED, parse_split, stages_per_rank
+
 Namer = Callable[[str], str]
 
 
@@ -58,4 +60,77 @@ def layout_problems(shape, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
     if ep > 1 and getattr(shape, "n_experts", 0) <= 1:
         p.append(f"{name('parallel.ep')}={ep} needs a mixture-of-experts model; this model is dense "
                  f"(use {name('parallel.ep')}=1)")
+    return p
+
+
+def pipeline_problems(shape, *, pp: int, schedule: str, virtual_stages: int = 0, split: str | None = None,
+                      micro_batches: int | None = None, micro_batches_from: str = "", dp: int = 1, zero: int = 0,
+                      recompute: str = "none", name: Namer = config_name) -> list[str]:
+    """What a pipeline layout needs: stages per rank the schedule can run, at least one layer per
+    stage, an explicit split that adds up, and enough micro-batches per step to fill the pipeline
+    (too few is refused here rather than left to hang or fail inside the schedule).
+    `micro_batches_from` says where the micro-batch count comes from, for the message."""
+    p: list[str] = []
+    v_name, s_name, split_name = name("parallel.pp_virtual_stages"), name("parallel.pp_schedule"), name(
+        "parallel.pp_split")
+    if pp == 1:
+        if split:
+            p.append(f"{split_name}={split} needs {name('parallel.pp')} > 1")
+        return p
+    if virtual_stages < 0:
+        return [f"{v_name} must be ≥ 0 (0: the schedule's own), got {virtual_stages}"]
+    if schedule in SINGLE and virtual_stages > 1:
+        p.append(f"{v_name}={virtual_stages} needs a schedule with several stages per rank "
+                 f"({', '.join(LOOPED + V_SHAPED)}); {s_name}={schedule} runs one")
+    elif schedule in LOOPED and virtual_stages == 1:
+        p.append(f"{s_name}={schedule} runs several stages per rank: set {v_name} ≥ 2 (or 0 for 2)")
+    elif schedule in V_SHAPED and virtual_stages not in (0, 2):
+        p.append(f"{s_name}={schedule} runs exactly 2 stages per rank (a V); set {v_name} to 2 or 0")
+    if schedule in SPLIT_BACKWARD and dp > 1 and zero == 3:
+        # Measured here: the weight gradients come out wrong, as the next micro-batch's forward
+        # frees the gathered weights the deferred weight backward reads (torchtitan, too, keeps
+        # parameters gathered after forward under pp).
+        p.append(f"{name('parallel.zero')}=3 frees the gathered parameters after each forward, which "
+                 f"{s_name}={schedule} still needs for its deferred weight backward; use {name('parallel.zero')} 2 "
+                 f"(gradients and optimizer state stay sharded) or gpipe, 1f1b or interleaved-1f1b")
+    if schedule in SPLIT_BACKWARD and recompute == "selective":
+        # torch's selective checkpoint lets a recomputed region run backward once (measured here)
+        p.append(f"{name('training.recompute')}=selective lets each recomputed region run backward once, but "
+                 f"{s_name}={schedule} runs backward in two passes (inputs, then weights); use "
+                 f"{name('training.recompute')} full or none, or gpipe, 1f1b or interleaved-1f1b")
+    if p:
+        return p
+    per_rank = stages_per_rank(schedule, virtual_stages)
+    stages = pp * per_rank
+    layers = name("model.n_layers")
+    if split:
+        counts = parse_split(split)
+        if counts is None or any(c < 1 for c in counts):
+            p.append(f"{split_name}={split!r} must list positive layer counts, comma-separated (e.g. 3,5)")
+        elif len(counts) != stages:
+            p.append(f"{split_name}={split!r} has {len(counts)} entries; the pipeline has {stages} stages "
+                     f"({name('parallel.pp')}={pp} × {per_rank} per rank)")
+        elif sum(counts) != shape.n_layers:
+            p.append(f"{split_name}={split!r} adds up to {sum(counts)} layers; {layers}={shape.n_layers}")
+    elif stages > shape.n_layers >= pp:  # (pp > n_layers itself is layout_problems' line)
+        p.append(f"{name('parallel.pp')}={pp} × {per_rank} stages per rank = {stages} stages exceed "
+                 f"{layers}={shape.n_layers}: every stage needs a layer")
+    elif per_rank > 1 and shape.n_layers % stages:
+        # Megatron-LM's rule for its interleaved schedule: layers divide into pp × v equal chunks.
+        p.append(f"{name('parallel.pp')}={pp} × {per_rank} stages per rank = {stages} stages do not divide "
+                 f"{layers}={shape.n_layers}: choose {v_name} so that pp × it divides the layers, or give "
+                 f"{split_name}")
+    if micro_batches is not None:
+        need = stages if schedule == "dualpipev" else pp  # torch's DualPipeV wants one per stage
+        source = f" ({micro_batches_from})" if micro_batches_from else ""
+        if micro_batches < need:
+            what = f"{stages} stages" if schedule == "dualpipev" else f"{pp} pipeline stages"
+            plural = "micro-batch" if micro_batches == 1 else "micro-batches"
+            p.append(f"{micro_batches} {plural} per step{source} are fewer than the {what}: "
+                     f"{s_name}={schedule} needs at least {need} to fill the pipeline")
+        elif schedule in LOOPED and micro_batches % (micro_batches // pp):
+            rounds = micro_batches // pp
+            p.append(f"{micro_batches} micro-batches per step{source}: {s_name}={schedule} runs them in "
+                     f"{rounds} rounds of at least {name('parallel.pp')}={pp}, so they must be a multiple of "
+                     f"{rounds}; a multiple of {pp} always works (e.g. {rounds * pp} or {(rounds + 1) * pp})")
     return p

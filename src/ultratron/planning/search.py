@@ -12,8 +12,11 @@ Cost model (per optimizer step, every GPU busy in lock-step; constants are the `
             (With SP: 4 all-gathers + 4 reduce-scatters, the same bytes.)
   CP        ring attention passes K and V (p·T·2kv/t) cp−1 times forward and twice that backward,
             hidden behind the attention's own compute up to the overlap fraction.
-  PP        each micro-batch sends its activations forward and gradients back (p·T·h each, v times
-            when interleaved), not overlapped; the bubble stretches the pipelined part by (p−1)/(v·m).
+  PP        each micro-batch sends its activations forward and gradients back (p·T·h each, once per
+            stage a rank runs), not overlapped; the bubble stretches the pipelined part by the
+            schedule's published fraction (planning.pipeline.bubble_fraction: (p−1)/m for GPipe and
+            1F1B, (p−1)/(v·m) interleaved, a third of that for the zero-bubble and V schedules).
+            The stage split, placement and rules are the trainer's (planning.pipeline, rules).
   DP/ZeRO   ZeRO-0/1/2: one all-reduce (or reduce-scatter + all-gather) of the gradients per step,
             2(n−1)/n × params × grad bytes, overlapped with the last micro-batch's backward;
             ZeRO-3 (FSDP): per micro-batch, parameters all-gathered for forward and backward and
@@ -33,9 +36,11 @@ from dataclasses import dataclass, field, replace
 from ultratron.errors import UserError
 from ultratron.planning.flops import training_flops_per_token
 from ultratron.planning.hardware import Accelerator
-from ultratron.planning.memory import GiB, Layout, MemoryBreakdown, estimate_memory
+from ultratron.planning.memory import GiB, Layout, MemoryBreakdown, check_layout, estimate_memory
 from ultratron.planning.params import count_params_of
-from ultratron.planning.rules import layout_problems
+from ultratron.planning.pipeline import LOOPED, SCHEDULES, SINGLE
+from ultratron.planning.pipeline import bubble_fraction as bubble_fraction_of
+from ultratron.planning.rules import layout_problems, pipeline_problems
 
 SELECTIVE_RECOMPUTE_OVERHEAD = 0.02
 MATMUL_HALF_SIZE = 256  # a matmul dimension of this size reaches half the large-matmul efficiency
@@ -138,14 +143,15 @@ def enumerate_layouts(spec: SearchSpec):
             if (n // tp) % cp or spec.seq % cp:
                 continue
             for pp in _divisors(n // (tp * cp)):
-                if pp > shape.n_layers or shape.n_layers % pp:
+                if pp > shape.n_layers:
                     continue
                 dp = n // (tp * cp * pp)
                 if sequences % dp:
                     continue
                 per_rank = sequences // dp
-                schedules = [("1f1b", 1)] if pp == 1 else [("afab", 1), ("1f1b", 1)] + [
-                    ("interleaved", v) for v in (2, 4) if shape.n_layers % (pp * v) == 0]
+                # every schedule the trainer runs; the looped ones with 2 or 4 stages per rank
+                schedules = [("1f1b", 0)] if pp == 1 else [(s, v) for s in SCHEDULES for v in (
+                    (0,) if s in SINGLE else (2, 4) if s in LOOPED else (2,))]
                 for mbs in _powers_of_two(min(per_rank, spec.max_mbs)):
                     if per_rank % mbs:
                         continue
@@ -153,7 +159,10 @@ def enumerate_layouts(spec: SearchSpec):
                     for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
                         for recompute in ("none", "selective", "full"):
                             for schedule, v in schedules:
-                                if schedule == "interleaved" and grad_acc % pp:
+                                # the trainer's own rules: stages per rank, micro-batches, zero 3, recompute
+                                if pipeline_problems(shape, pp=pp, schedule=schedule, virtual_stages=v,
+                                                     micro_batches=grad_acc, dp=dp * cp, zero=zero,
+                                                     recompute=recompute):
                                     continue
                                 yield Layout(dp=dp, zero=zero, tp=tp, sp=tp > 1, pp=pp, pp_schedule=schedule,
                                              virtual_stages=v, cp=cp, mbs=mbs, grad_acc=grad_acc, seq=spec.seq,
@@ -197,9 +206,10 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     pp_comm = 0.0
     if layout.pp > 1:
         span = 2 * layout.tp * layout.cp * layout.dp  # two neighbouring stages
-        sends = m * layout.virtual_stages * 2
+        sends = m * layout.stages_per_rank * 2
         pp_comm = sends * (p * micro_tokens * h / _bandwidth(spec, span) + _latency(spec, span))
-    bubble_fraction = (layout.pp - 1) / (layout.virtual_stages * m)
+    # the schedule's published bubble (planning.pipeline.bubble_fraction; measured: docs/parallel.md)
+    bubble_fraction = bubble_fraction_of(layout.pp_schedule, layout.pp, layout.virtual_stages, m)
     pipelined = compute + tp_comm + cp_exposed + pp_comm
     bubble = pipelined * bubble_fraction
 
@@ -246,6 +256,8 @@ def _reasons(spec: SearchSpec, est: Estimate, bubble_fraction: float) -> list[st
         reasons.append("communication is hidden: the step is compute-bound")
     if lay.recompute != "none":
         lighter = "selective" if lay.recompute == "full" else "none"
+        if check_layout(spec.shape, replace(lay, recompute=lighter)):  # (selective: not with a split backward)
+            lighter = "none"
         need = estimate_memory(spec.shape, replace(lay, recompute=lighter), spec.activation_model).peak_bytes
         cost = "+1/3 compute" if lay.recompute == "full" else "~2% time"
         reasons.append(f"recompute={lay.recompute} ({cost}): with recompute={lighter} this layout needs "
@@ -262,7 +274,8 @@ def _reasons(spec: SearchSpec, est: Estimate, bubble_fraction: float) -> list[st
 
 def _complexity(layout: Layout) -> tuple:
     axes = (layout.tp > 1) + (layout.pp > 1) + (layout.cp > 1)
-    return axes, layout.zero, ("none", "selective", "full").index(layout.recompute), layout.virtual_stages
+    schedule = SCHEDULES.index(layout.pp_schedule) if layout.pp > 1 else 0
+    return axes, layout.zero, ("none", "selective", "full").index(layout.recompute), layout.stages_per_rank, schedule
 
 
 def search(spec: SearchSpec, top: int = 5) -> SearchResult:

@@ -1,9 +1,9 @@
 """The forward-and-backward part of one optimizer step, as a strategy a parallel layout can replace.
 
 `GradAccumStep` runs the step's micro-batches one after another (gradient accumulation) on any
-data/tensor-parallel layout; a pipeline schedule, which runs forward and backward itself, is
-another strategy with the same two methods. The trainer around it clips, steps the optimizer and
-reports, whatever strategy ran.
+data/tensor-parallel layout; `PipelineStep` hands them to a pipeline schedule, which runs forward
+and backward itself (`parallel/pipeline.py`). `step_strategy` picks one. The trainer around it
+clips, steps the optimizer and reports, whatever strategy ran.
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ultratron.parallel.data_parallel import average_over_dp
 from ultratron.parallel.dims import ParallelDims
 from ultratron.parallel.parallelize import micro_batch
-from ultratron.parallel.tensor_parallel import local_value
+from ultratron.parallel.pipeline import TiedGradients, broadcast_from_last, build_schedule, forward_only
+from ultratron.parallel.tensor_parallel import local_value, loss_context
 from ultratron.training.loss import cross_entropy
 from ultratron.training.precision import autocast
 
@@ -28,6 +30,10 @@ class StepStrategy(Protocol):
 
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """The cross-entropy of one batch, no gradients (for validation)."""
+
+    @property
+    def sampling_model(self):
+        """What `models.sampling.generate` calls for logits (every rank takes part)."""
 
 
 class GradAccumStep:
@@ -54,3 +60,105 @@ class GradAccumStep:
         with autocast(self.precision, self.device):
             logits = self.model(inputs.to(self.device))
         return float(cross_entropy(logits, targets.to(self.device))[1])  # eval mode: full logits on every rank
+
+    @property
+    def sampling_model(self) -> nn.Module:
+        return self.model
+
+
+class PipelineStep:
+    """The step's micro-batches through torch's pipeline schedule (`parallel.pp_schedule`): the first
+    stage reads the inputs, the last computes the loss, the schedule runs forward and backward and
+    divides the gradients by the micro-batch count. Then the tied embedding's two copies add their
+    gradients; the loss, known on the last stage, is averaged over dp and given to every rank."""
+
+    def __init__(self, model: nn.Module, dims: ParallelDims, device: torch.device, precision: str, z_loss: float):
+        self.model, self.dims, self.device = model, dims, device
+        self.precision, self.z_loss = precision, z_loss
+        self.pipeline = model.pipeline
+        self.tied = TiedGradients(model, dims)
+        self.schedule, self.n_micro_batches = None, 0
+        self._losses: list[torch.Tensor] = []
+        for module in self.pipeline.modules:  # forward under autocast, backward outside it, as GradAccumStep
+            _forward_under(module, lambda: autocast(precision, device))
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss, ce = cross_entropy(logits, targets, self.z_loss)
+        self._losses.append(local_value(ce.detach()))
+        return loss
+
+    def forward_backward(self, next_batch, n_micro_batches: int) -> float:
+        if self.schedule is None or n_micro_batches != self.n_micro_batches:
+            self.schedule = build_schedule(self.model, self.dims, self.device, n_micro_batches, self._loss)
+            self.n_micro_batches = n_micro_batches
+        self._train(True)
+        batches = [next_batch() for _ in range(n_micro_batches)]  # every rank keeps the loader in step
+        inputs = torch.cat([b[0] for b in batches]).to(self.device)
+        targets = torch.cat([b[1] for b in batches]).to(self.device)
+        self._losses.clear()
+        with loss_context(self.dims):
+            self.schedule.step(*([inputs] if self.pipeline.holds_first else []), return_outputs=False,
+                               target=targets if self.pipeline.holds_last else None)
+        self.tied()
+        mean = torch.zeros((), device=self.device)
+        if self.pipeline.holds_last:  # (metadata inference on the first step computes one loss more)
+            mean = torch.stack(self._losses[-n_micro_batches:]).mean().float()
+        dist.all_reduce(mean, group=self.dims.pp_group)  # only the last stage's rank adds a value
+        return float(average_over_dp(mean, self.dims))
+
+    def _train(self, mode: bool) -> None:
+        self.model.train(mode)
+        for module in self.pipeline.modules:  # (views of the part, not its children)
+            module.train(mode)
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        logits = self.sampling_model(inputs.to(self.device), everywhere=False)
+        loss = cross_entropy(logits, targets.to(self.device))[1] if logits is not None else None
+        return float(broadcast_from_last(loss, self.model, self.dims, (), torch.float32, self.device))
+
+    @property
+    def sampling_model(self) -> PipelineLogits:
+        return PipelineLogits(self)
+
+
+class PipelineLogits:
+    """The pipeline as a callable model for validation and sampling: full logits on every rank
+    (`everywhere=False`: only on the rank of the last stage, None elsewhere)."""
+
+    def __init__(self, step: PipelineStep):
+        self.step, self.args = step, step.model.args
+
+    def parameters(self):
+        return self.step.model.parameters()
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, everywhere: bool = True) -> torch.Tensor | None:
+        step = self.step
+        step._train(False)
+        logits = forward_only(step.model, step.dims, tokens)  # (the stages run under autocast already)
+        if not everywhere:
+            return logits
+        shape = (*tokens.shape, self.args.vocab_size)
+        return broadcast_from_last(logits, step.model, step.dims, shape, torch.float32, step.device)
+
+
+def _forward_under(module: nn.Module, context) -> None:
+    """Run `module`'s forward inside `context()` (forward hooks: torch's schedule calls the module)."""
+    active: list = []
+
+    def enter(*_):
+        active.append(context())
+        active[-1].__enter__()
+
+    def leave(*_):
+        active.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)
+
+
+def step_strategy(model: nn.Module, dims: ParallelDims, device: torch.device, precision: str,
+                  z_loss: float) -> StepStrategy:
+    """The pipeline schedule under pipeline parallelism, gradient accumulation otherwise."""
+    return (PipelineStep if dims.pp > 1 else GradAccumStep)(model, dims, device, precision, z_loss)

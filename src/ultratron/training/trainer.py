@@ -24,7 +24,7 @@ from ultratron.models.llama import build_model
 from ultratron.models.sampling import generate
 from ultratron.parallel.data_parallel import wrap_optimizer
 from ultratron.parallel.dims import ParallelDims
-from ultratron.parallel.grads import clip_grad_norm
+from ultratron.parallel.grads import clip_grad_norm, tied_copies
 from ultratron.parallel.parallelize import parallelize
 from ultratron.planning.flops import training_flops_per_token
 from ultratron.planning.params import count_params_of
@@ -36,7 +36,7 @@ from ultratron.training.periodic_eval import PeriodicEvaluator
 from ultratron.training.progress import Reporter
 from ultratron.training.stability import StabilityGuard
 from ultratron.training.state import TrainState
-from ultratron.training.step import GradAccumStep
+from ultratron.training.step import step_strategy
 from ultratron.training.validation import Validator
 
 
@@ -87,7 +87,7 @@ class Trainer:
 
         self.model = parallelize(build_model(cfg.model, self.device), self.dims, cfg)
         self.optimizer = wrap_optimizer(build_optimizer(self.model, cfg.optim), self.dims)
-        self.strategy = GradAccumStep(self.model, self.dims, self.device, t.precision, t.z_loss)
+        self.strategy = step_strategy(self.model, self.dims, self.device, t.precision, t.z_loss)
         self.state = TrainState(self.train_loader, to_dict(cfg))
         self.validator = Validator(lambda: open_loader(self.data, "val", seq_len=t.seq_len,
                                                        micro_batch_size=t.micro_batch_size, seed=t.seed),
@@ -153,7 +153,8 @@ class Trainer:
         set_lr(self.optimizer, lr)
         loss = self.strategy.forward_backward(self.train_loader.next_batch, cfg.grad_accum_steps)
         max_norm = cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf
-        grad_norm = float(clip_grad_norm(self.model.parameters(), max_norm))
+        grad_norm = float(clip_grad_norm(self.model.parameters(), max_norm, self.dims.pp_group,
+                                         uncounted=tied_copies(self.model)))
         skipped = self.guard.skip_update(self.step + 1, loss, grad_norm)  # NaN/Inf: no update
         if not skipped:
             self.optimizer.step()
@@ -185,13 +186,15 @@ class Trainer:
         if self.dims.restart_count:  # torchrun restarted the whole group after a failure
             self.log(f"launch: restart {self.dims.restart_count} of this job; resumed at step {self.step}")
             self.log.record({"step": self.step, "restarts": self.dims.restart_count})
+        if self.dims.pp > 1:
+            self.log(self.model.pipeline.describe())
 
     @torch.no_grad()
     def sample(self, prompt: str = "def") -> str:
         """A short sample (every rank takes part under a parallel layout; rank 0 logs it)."""
         self.model.eval()
         multiple = self.dims.tp if self.dims.sp else 1  # sequence parallel splits the sequence over tp ranks
-        ids = generate(self.model, self.tokenizer.encode(prompt), self.cfg.training.sample_tokens,
+        ids = generate(self.strategy.sampling_model, self.tokenizer.encode(prompt), self.cfg.training.sample_tokens,
                        stop_id=self.tokenizer.eos_id, seed=self.cfg.training.seed, length_multiple=multiple)
         text = prompt + self.tokenizer.decode(ids)
         self.log("sample:\n" + text)

@@ -8,10 +8,18 @@ row-parallel, so each half-block needs one all-reduce in forward. With sequence 
 all-reduce becomes a reduce-scatter after wo/w2 and an all-gather before wq/w1. The embedding is
 vocab-parallel (rows split over ranks); the output head is column-parallel over the vocabulary
 and keeps its logits sharded for `loss_parallel`.
+
+Pipeline parallel: a `LlamaStage` holds a run of the blocks, with the embedding on the first stage
+and the final norm and head on the last, under the full model's attribute names, so parameter
+names (`layers.5.attention.wq.weight`, `output.weight`) — and checkpoints — are the same in every
+layout. With tied embeddings the last stage keeps its own copy of the table as `output.weight`
+(`tied_copies` names copy and original); the pipeline sums the two copies' gradients after
+backward, the way Megatron-LM's embedding group does, so they stay equal.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -21,6 +29,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from ultratron.models.llama.model import softcap
 from ultratron.models.plan import ParallelPlan
 
 
@@ -56,9 +65,52 @@ def tensor_parallel(sp: bool) -> tuple[dict, dict]:
 
 
 def tie_weights(model: nn.Module) -> None:
-    """Tied embeddings: both TP styles shard the table along the vocabulary, so one DTensor serves both."""
-    if model.args.tie_embeddings:
+    """Tied embeddings: both TP styles shard the table along the vocabulary, so one DTensor serves both.
+    (A pipeline stage's head is a copy of its own and stays one.)"""
+    if model.args.tie_embeddings and not isinstance(model, LlamaStage):
         model.output.weight = model.tok_embeddings.weight
 
 
-PLAN = ParallelPlan(blocks=blocks, tensor_parallel=tensor_parallel, tie_weights=tie_weights)
+class LlamaStage(nn.Module):
+    """Some of a Llama's blocks (a pipeline stage, or all the stages of one rank), with the embedding
+    if it holds the first stage and the final norm and head if it holds the last, under the names the
+    full model gives them. Its forward runs one stage: token ids or the previous stage's activations
+    in, activations or logits out. `sequence_shards`: under sequence parallel the activations between
+    stages hold 1/tp of the sequence, so the rotary tables are cut for tp times their length."""
+
+    def __init__(self, model: nn.Module, layer_names: list[str], first: bool, last: bool):
+        super().__init__()
+        self.args = model.args
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({name: model.layers[name] for name in layer_names})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        source_embedding = getattr(model, "tok_embeddings", None)
+        if last and source_embedding is not None and model.output.weight is source_embedding.weight:
+            self.output.weight = nn.Parameter(source_embedding.weight.detach().clone())  # untie: a copy
+        # tied parameters across the pipeline: the last stage's copy → the first stage's original
+        self.tied_copies = {"output.weight": "tok_embeddings.weight"} if model.args.tie_embeddings else {}
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.sequence_shards = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            seq = x.shape[1]
+            x = self.tok_embeddings(x)
+        else:
+            seq = x.shape[1] * self.sequence_shards
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        if self.output is not None:
+            x = softcap(self.output(self.norm(x)), self.args.final_softcap)
+        return x
+
+
+def pipeline_stage(model: nn.Module, layer_names: list[str], first: bool, last: bool) -> LlamaStage:
+    return LlamaStage(model, layer_names, first, last)
+
+
+PLAN = ParallelPlan(blocks=blocks, tensor_parallel=tensor_parallel, tie_weights=tie_weights,
+                    pipeline_stage=pipeline_stage)
