@@ -192,6 +192,14 @@ def run(name: str, source: str, workdir: Path, workers: int, max_bytes: int, rep
               f"{row['mb_per_s']:>8.2f} {row['docs_per_s']:>8.0f} {cpu:>7.2f} {row['mb_per_cpu_s']:>9.2f}")
     print(f"{'total':<16} {'':>8} {'':>8} {'':>7} {sum(r['seconds'] for r in rows):>8.1f} {'':>8} {'':>8} "
           f"{sum(r['cpu_seconds'] for r in rows):>7.1f}")
+    tok = next(i for i, s in enumerate(first) if s["stage"] == "tokenize")
+    train = statistics.median(run[tok]["train_cpu_seconds"] for run in runs)
+    row = rows[tok]
+    row["train_cpu_seconds"] = train
+    row["mb_per_cpu_s_without_training"] = row["mb_in"] / max(row["cpu_seconds"] - train, 1e-9)
+    print(f"tokenize: {first[tok]['encoder']}; training the tokenizer took {train:.2f} of its {row['cpu_seconds']:.2f} "
+          f"CPU s (a fixed cost, ≤ tokenize.train_bytes); the rest: {row['mb_per_cpu_s_without_training']:.2f} "
+          "MB per CPU-second")
     stage_dir = {s: workdir / f"{name}-0" / f"{i:02d}-{s}" for i, s in enumerate(r["stage"] for r in rows)}
     texts = [r["text"] for p in list_parts(stage_dir["normalize"]) for _, r, _ in iter_records(p) if r]
     parts = bench_parts(texts, stage_dir["tokenize"])

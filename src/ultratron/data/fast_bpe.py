@@ -66,22 +66,32 @@ class FastBPE:
     def __init__(self, encoding, specials: frozenset[str], prefix_space: bool):
         self.encoding, self.specials, self.prefix_space = encoding, specials, prefix_space
         self.threads = max(1, min(8, os.cpu_count() or 1))
+        self._pool, self._pool_pid = None, None
 
     def encode(self, text: str) -> list[int]:
         if self.prefix_space and text and not text.startswith(" "):
             text = " " + text  # (texts holding a special token never get here: see encode_batch)
         return self.encoding.encode(text, allowed_special=self.specials, disallowed_special=())
 
+    def _encode_all(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
     def encode_batch(self, texts: list[str]) -> list[list[int]] | None:
-        """Ids per text, on a thread per core (tiktoken releases the GIL); None if Hugging Face must
-        encode this batch itself (a prefix space with a special token inside a text: Hugging Face
-        adds the space to every piece between special tokens)."""
+        """Ids per text, a share of the texts on each of a thread per core (tiktoken releases the
+        GIL); None if Hugging Face must encode this batch itself (a prefix space with a special
+        token inside a text: Hugging Face adds the space to every piece between special tokens)."""
         if self.prefix_space and any(s in t for t in texts for s in self.specials):
             return None
-        if len(texts) <= 1 or self.threads == 1:
-            return [self.encode(t) for t in texts]
-        with ThreadPoolExecutor(self.threads) as pool:
-            return list(pool.map(self.encode, texts, chunksize=max(1, len(texts) // (4 * self.threads))))
+        if len(texts) < 2 * self.threads or self.threads == 1:
+            return self._encode_all(texts)
+        if self._pool_pid != os.getpid():  # a forked worker has none of its parent's threads
+            self._pool, self._pool_pid = ThreadPoolExecutor(self.threads), os.getpid()
+        shares = [texts[i::self.threads] for i in range(self.threads)]  # (interleaved: even work)
+        encoded = list(self._pool.map(self._encode_all, shares))
+        out: list[list[int]] = [[]] * len(texts)
+        for i, share in enumerate(encoded):
+            out[i::self.threads] = share
+        return out
 
 
 def fast_encoder(hf) -> tuple[FastBPE | None, str]:
