@@ -13,6 +13,7 @@ import contextlib
 from torch import nn
 
 from ultratron.models.registry import plan_of
+from ultratron.parallel.compile import apply_compile
 from ultratron.parallel.data_parallel import apply_data_parallel, gradient_sync
 from ultratron.parallel.dims import ParallelDims
 from ultratron.parallel.pipeline import build_stages, split_model
@@ -25,8 +26,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
     if dims.pp > 1:
         model = split_model(model, dims, cfg, plan)
     model = apply_tensor_parallel(model, dims, plan)
-    # (context parallel and torch.compile plug in here, in this order)
+    # (context parallel plugs in here)
     model = apply_recompute(model, cfg.training.recompute, plan)
+    model = apply_compile(model, cfg.training.compile, plan)
     roots = build_stages(model, dims, plan) if dims.pp > 1 else None
     return apply_data_parallel(model, dims, cfg.training.precision, plan, roots)
 
