@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ultratron.errors import UserError
+from ultratron.planning import rules
 from ultratron.planning.flops import training_flops_per_token
 from ultratron.planning.hardware import Accelerator
 from ultratron.planning.memory import GiB, Layout, MemoryBreakdown, check_layout, estimate_memory
@@ -131,18 +132,23 @@ def _size_factor(size: float) -> float:
     return size / (size + MATMUL_HALF_SIZE)
 
 
+def _trainer_runs(axis: str, degrees: list[int]) -> list[int]:
+    """The degrees to try on an axis: only 1 where the trainer does not run it (rules.TRAINER_AXES)."""
+    return degrees if axis in rules.TRAINER_AXES else [1]
+
+
 def enumerate_layouts(spec: SearchSpec):
     """Every layout the search considers (valid shapes; memory not yet checked)."""
     shape = spec.shape
     n, node = spec.n_gpus, spec.gpus_per_node
     sequences = spec.global_batch_tokens // spec.seq
-    for tp in _powers_of_two(node):
+    for tp in _trainer_runs("tp", _powers_of_two(node)):
         if n % tp or layout_problems(shape, tp=tp):
             continue
-        for cp in _powers_of_two(spec.max_cp):
+        for cp in _trainer_runs("cp", _powers_of_two(spec.max_cp)):
             if (n // tp) % cp or spec.seq % cp:
                 continue
-            for pp in _divisors(n // (tp * cp)):
+            for pp in _trainer_runs("pp", _divisors(n // (tp * cp))):
                 if pp > shape.n_layers:
                     continue
                 dp = n // (tp * cp * pp)
