@@ -42,6 +42,18 @@ def unsupported_axis_problems(degrees: dict[str, int], name: Namer = config_name
             if axis not in TRAINER_AXES and degree > 1]
 
 
+def data_parallel_wrapper(dp: int, zero: int, tp: int = 1, pp: int = 1, dp_replicate: int = 1) -> str:
+    """How the trainer runs data parallelism for a layout (`parallel/data_parallel.py`): "none" (dp 1),
+    "ddp" (zero 0, and zero 1 with ZeroRedundancyOptimizer), "fsdp" (FSDP2 `fully_shard`: zero 2 and
+    3, HSDP, zero 0/1 when dp meets tp since DDP takes no DTensor parameters, zero 1 under pp) or
+    "replicate" (FSDP2's `replicate`: zero 0 under pp)."""
+    if dp == 1:
+        return "none"
+    if zero >= 2 or dp_replicate > 1 or tp > 1 or (pp > 1 and zero == 1):
+        return "fsdp"
+    return "replicate" if pp > 1 else "ddp"
+
+
 def shape_problems(shape, name: Namer = config_name) -> list[str]:
     """Heads must divide the width, with an even head dimension; kv heads must divide heads."""
     p: list[str] = []
