@@ -86,14 +86,19 @@ class Estimate:
     mfu: float = 0.0
     reasons: list[str] = field(default_factory=list)
 
+    TIME_TERMS = ("compute_s", "tp_comm_s", "cp_exposed_s", "pp_comm_s", "bubble_s", "dp_comm_s", "dp_exposed_s")
+
     def as_dict(self) -> dict:
+        """What `plan estimate --json` prints for a layout (and `plan search --json` for each it ranks):
+        the peak, the step time, tokens/s/GPU and MFU, and the terms behind them."""
         return {
-            "layout": self.layout.__dict__, "describe": self.layout.describe(),
-            "peak_bytes": self.memory.peak_bytes, "memory": self.memory.as_dict(),
-            "compute_s": self.compute_s, "tp_comm_s": self.tp_comm_s, "cp_exposed_s": self.cp_exposed_s,
-            "pp_comm_s": self.pp_comm_s, "bubble_s": self.bubble_s, "dp_comm_s": self.dp_comm_s,
-            "dp_exposed_s": self.dp_exposed_s, "step_s": self.step_s,
-            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu, "reasons": self.reasons,
+            "layout": dict(self.layout.__dict__), "describe": self.layout.describe(),
+            "peak_bytes": self.memory.peak_bytes, "step_seconds": self.step_s,
+            "tokens_per_sec_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
+            "memory": self.memory.as_dict(),
+            # step_seconds = compute + TP + CP exposed + PP p2p + bubble + DP exposed (dp_comm_s: before overlap)
+            "time": {term: getattr(self, term) for term in self.TIME_TERMS},
+            "reasons": self.reasons,
         }
 
 
@@ -176,7 +181,8 @@ def enumerate_layouts(spec: SearchSpec):
 
 
 def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | None = None) -> Estimate:
-    """Step time, tokens/s/GPU and MFU of one layout under the cost model in the module docstring."""
+    """Peak memory, step time, tokens/s/GPU and MFU of one layout under the cost model in the module
+    docstring: the one function `plan estimate` prints and `plan search` ranks by."""
     shape, acc = spec.shape, spec.accelerator
     memory = memory or estimate_memory(shape, layout, spec.activation_model)
     counts = count_params_of(shape)
