@@ -27,7 +27,13 @@ from ultratron.data.mixture_spec import parse_mixture
 from ultratron.errors import ConfigError
 from ultratron.models.presets import PRESETS
 from ultratron.planning.pipeline import BALANCES, SCHEDULES
-from ultratron.planning.rules import layout_problems, pipeline_problems, shape_problems
+from ultratron.planning.rules import (
+    ALL_AXES,
+    layout_problems,
+    pipeline_problems,
+    shape_problems,
+    unsupported_axis_problems,
+)
 
 ROPE_SCALINGS = ("none", "linear", "llama3")
 # The numbers each RoPE scaling needs (Llama 3.1's config.json names them so).
@@ -310,11 +316,7 @@ def _parallel_problems(par: ParallelConfig) -> list[str]:
     if par.sp and par.tp == 1:
         p.append("parallel.sp=true needs parallel.tp > 1 (sequence parallel splits the norm regions over the "
                  "tensor-parallel ranks)")
-    for name in ("cp", "ep"):
-        if getattr(par, name) > 1:
-            p.append(f"parallel.{name}={getattr(par, name)}: this build trains with data, tensor and pipeline "
-                     f"parallelism only; set parallel.{name}=1")
-    return p
+    return p + unsupported_axis_problems({axis: getattr(par, axis) for axis in ALL_AXES})
 
 
 def rope_scaling_problems(m: ModelConfig) -> list[str]:

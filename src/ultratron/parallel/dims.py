@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ultratron.errors import ConfigError
+from ultratron.planning.rules import data_parallel_wrapper
 
 T = TypeVar("T")
 
@@ -74,8 +75,7 @@ class ParallelDims:
     def uses_fsdp(self) -> bool:
         """FSDP2 for ZeRO 2/3 and HSDP; also when dp meets tp, since DDP takes no DTensor parameters,
         and for ZeRO-1 under pp (see parallel/data_parallel.py; zero 0 there is FSDP2's replicate)."""
-        return self.dp > 1 and (self.zero >= 2 or self.dp_replicate > 1 or self.tp > 1
-                                or (self.pp > 1 and self.zero == 1))
+        return data_parallel_wrapper(self.dp, self.zero, self.tp, self.pp, self.dp_replicate) == "fsdp"
 
     # ---- ranks ----------------------------------------------------------------------------------
     @property

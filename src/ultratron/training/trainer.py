@@ -31,6 +31,7 @@ from ultratron.planning.params import count_params_of
 from ultratron.training.batch_ramp import BatchSchedule
 from ultratron.training.checkpointing import CheckpointPolicy, with_init_tokenizer
 from ultratron.training.health import HealthMonitor
+from ultratron.training.metrics import write_memory_peak
 from ultratron.training.mfu import MfuMeter
 from ultratron.training.optim import build_optimizer, lr_at, set_lr
 from ultratron.training.periodic_eval import PeriodicEvaluator
@@ -145,6 +146,7 @@ class Trainer:
                 self.log.record(result)
             sample = self.sample() if self.step == total and t.sample_tokens > 0 else None
         finally:
+            write_memory_peak(self.run_dir, self.dims.rank, self.device)
             self.checkpoints.close()
             self.periodic.close()
             self.log.close()
