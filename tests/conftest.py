@@ -45,3 +45,16 @@ def run_cli(*args: str, cwd=None):
 
     return subprocess.run([sys.executable, "-m", "ultratron", *args], capture_output=True, text=True,
                           cwd=cwd, timeout=600)
+
+
+class Counter:
+    """A minimal Stateful (a step count) for checkpoint tests."""
+
+    def __init__(self, step=0):
+        self.step = step
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]

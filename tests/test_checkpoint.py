@@ -5,20 +5,10 @@ import shutil
 import pytest
 import torch
 
+from conftest import Counter
 from ultratron.checkpoint.manager import Checkpointer, ModelState, read_checkpoint
 from ultratron.checkpoint.store import resolve_checkpoint_dir
 from ultratron.errors import CheckpointError
-
-
-class Counter:
-    def __init__(self, step=0):
-        self.step = step
-
-    def state_dict(self):
-        return {"step": self.step}
-
-    def load_state_dict(self, state):
-        self.step = state["step"]
 
 
 def save(checkpointer, step):

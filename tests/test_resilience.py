@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import Counter
 from ultratron.checkpoint.manager import Checkpointer, ModelState, read_checkpoint
 from ultratron.config import load_config
 from ultratron.errors import CheckpointError, TrainingError
@@ -62,17 +63,6 @@ def test_flipped_bytes_are_found_and_resume_falls_back_to_the_last_good_checkpoi
 
 
 # ---- 3. truncated shard, overwritten state ----------------------------------------------------------
-
-class Counter:
-    def __init__(self, step=0):
-        self.step = step
-
-    def state_dict(self):
-        return {"step": self.step}
-
-    def load_state_dict(self, state):
-        self.step = state["step"]
-
 
 def test_truncated_or_overwritten_newest_checkpoints_are_skipped_with_a_reason(tmp_path):
     messages: list[str] = []
