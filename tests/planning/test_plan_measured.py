@@ -98,7 +98,7 @@ CASES = [
 def test_plan_memory_matches_the_real_model(fields, layout):
     torch.set_num_threads(1)
     model_cfg = ModelConfig(preset=None, **fields)
-    # On CPU ultratron runs bf16 attention in fp32 (models.llama._sdpa), so that is what autograd saves here.
+    # On CPU ultratron runs bf16 attention in fp32 (models.llama.model.sdpa_attention), so autograd saves that.
     layout = dataclasses.replace(layout, attention_fp32=layout.precision == "bf16")
     measured = measure(model_cfg, layout)
     planned = estimate_memory(model_cfg, layout)

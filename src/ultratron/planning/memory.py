@@ -93,7 +93,7 @@ class Layout:
     precision: str = "bf16"
     fp32_grad_accum: bool = False
     # Attention (q, k, v, output) computed in fp32 even in bf16, like Megatron's
-    # --attention-softmax-in-fp32; ultratron does this for bf16 on CPU (models.llama._sdpa).
+    # --attention-softmax-in-fp32; ultratron does this for bf16 on CPU (models.llama.model.sdpa_attention).
     attention_fp32: bool = False
 
     @property
@@ -191,7 +191,7 @@ def check_layout(shape, layout: Layout) -> list[str]:
         p.append(f"--recompute {layout.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if layout.precision not in PRECISIONS:
         p.append(f"--precision {layout.precision!r} is not one of {', '.join(PRECISIONS)}")
-    p += layout_problems(shape, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, seq=layout.seq,
+    p += layout_problems(shape, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, seq=layout.seq, dp=layout.dp,
                          name=short_name)
     if not p:
         p += pipeline_problems(shape, pp=layout.pp, schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages,

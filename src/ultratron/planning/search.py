@@ -146,7 +146,7 @@ def enumerate_layouts(spec: SearchSpec):
                 if pp > shape.n_layers:
                     continue
                 dp = n // (tp * cp * pp)
-                if sequences % dp:
+                if sequences % dp or layout_problems(shape, tp=tp, pp=pp, cp=cp, seq=spec.seq, dp=dp):
                     continue
                 per_rank = sequences // dp
                 # every schedule the trainer runs; the looped ones with 2 or 4 stages per rank

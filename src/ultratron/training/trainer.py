@@ -31,6 +31,7 @@ from ultratron.planning.params import count_params_of
 from ultratron.training.checkpointing import CheckpointPolicy, with_init_tokenizer
 from ultratron.training.health import HealthMonitor
 from ultratron.training.mfu import MfuMeter
+from ultratron.training.moe import RouterStats
 from ultratron.training.optim import build_optimizer, lr_at, set_lr
 from ultratron.training.periodic_eval import PeriodicEvaluator
 from ultratron.training.progress import Reporter
@@ -88,6 +89,7 @@ class Trainer:
         self.model = parallelize(build_model(cfg.model, self.device), self.dims, cfg)
         self.optimizer = wrap_optimizer(build_optimizer(self.model, cfg.optim), self.dims)
         self.strategy = step_strategy(self.model, self.dims, self.device, t.precision, t.z_loss)
+        self.routers = RouterStats(self.model, self.dims, self.strategy.loss_weight(cfg.grad_accum_steps))
         self.state = TrainState(self.train_loader, to_dict(cfg))
         self.validator = Validator(lambda: open_loader(self.data, "val", seq_len=t.seq_len,
                                                        micro_batch_size=t.micro_batch_size, seed=t.seed),
@@ -97,7 +99,7 @@ class Trainer:
                                             ModelState(self.model, self.optimizer), self.state, self.files, self.log)
         self.guard = StabilityGuard(cfg, self.checkpoints, self.train_loader, self.log)
         counts = count_params_of(cfg.model)
-        self.n_params = counts.total
+        self.n_params, self.n_active = counts.total, counts.active
         self.flops_per_token = training_flops_per_token(counts, vocab_size=cfg.model.vocab_size, dim=cfg.model.dim,
                                                         n_layers=cfg.model.n_layers, seq_len=t.seq_len)
         self.mfu = MfuMeter(self.device, t.precision, self.flops_per_token, self.dims.world_size, self.log)
@@ -159,12 +161,13 @@ class Trainer:
         if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        moe = self.routers.after_step()
         self.state.step += 1
         elapsed = time.perf_counter() - start
         tokens_per_sec = cfg.training.batch_tokens / elapsed
         return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                 "tokens": self.step * cfg.training.batch_tokens, "tokens_per_sec": tokens_per_sec,
-                "step_time": elapsed, "mfu": self.mfu(tokens_per_sec), **self.train_loader.metrics()} | (
+                "step_time": elapsed, "mfu": self.mfu(tokens_per_sec), **self.train_loader.metrics(), **moe} | (
                     {"skipped": 1} if skipped else {})
 
     def _validate(self, record_alone: bool = False) -> float | None:
@@ -179,7 +182,8 @@ class Trainer:
     def _describe(self) -> None:
         cfg, t = self.cfg, self.cfg.training
         dp = f" × dp {cfg.parallel.dp}" if cfg.parallel.dp > 1 else ""
-        self.log(f"model: {self.n_params:,} parameters; {self.flops_per_token:.3g} training FLOPs/token; "
+        active = f" ({self.n_active:,} active per token)" if self.n_active != self.n_params else ""
+        self.log(f"model: {self.n_params:,} parameters{active}; {self.flops_per_token:.3g} training FLOPs/token; "
                  f"batch {t.batch_tokens:,} tokens = {cfg.grad_accum_steps} × {t.micro_batch_size} × {t.seq_len}{dp}; "
                  f"device {self.device}; precision {t.precision}")
         self.log(f"mfu: peak {self.mfu.peak / 1e12:.3g} TFLOP/s ({self.mfu.source})")
