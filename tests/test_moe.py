@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_cli
 
+from conftest import run_cli
 from ultratron.config import load_config
 from ultratron.models.llama import build_model
 from ultratron.models.moe import MoE
