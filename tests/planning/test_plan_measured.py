@@ -78,6 +78,7 @@ def measure(model_cfg: ModelConfig, layout: Layout) -> dict[str, int]:
 
 SMALL = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=256, max_seq_len=128,
              tie_embeddings=False, rope_theta=10_000.0)
+MOE = dict(n_experts=4, n_active_experts=2, expert_ffn_dim=96)  # a mixture of experts (planning.experts)
 
 CASES = [
     (dict(SMALL), Layout(mbs=2, seq=64, recompute="none", precision="fp32")),
@@ -90,6 +91,9 @@ CASES = [
         mbs=3, seq=32, recompute="full", precision="bf16")),
     (dict(SMALL, qk_norm=True), Layout(mbs=2, seq=64, recompute="none", precision="fp32")),
     (dict(SMALL, qk_norm=True, n_layers=4), Layout(mbs=1, seq=96, recompute="selective", precision="bf16")),
+    (dict(SMALL, **MOE), Layout(mbs=2, seq=64, recompute="none", precision="fp32")),
+    (dict(SMALL, **MOE, n_shared_experts=1, n_layers=3, n_dense_layers=1), Layout(mbs=2, seq=64, recompute="none",
+                                                                                 precision="bf16")),
 ]
 
 

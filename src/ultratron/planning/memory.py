@@ -31,6 +31,10 @@ Activations (saved for backward, per layer and micro-batch), two estimators:
   Both: CP divides tokens by cp; the loss keeps fp32 log-probabilities 4·T·v/t (vocab-parallel)
   and the int64 targets 8·T.
 
+Mixture of experts (`planning.experts`): the routed experts split over ep·tp and left out of ZeRO's
+sharding, as the trainer does; the routed slots' activations in place of the dense SwiGLU's (per-op
+model); the all-to-all's send and receive buffers under expert parallelism.
+
 Pipeline parallel: the stages, their layers and their ranks come from `planning.pipeline` — the
 same split and placement the trainer runs. A rank holds the parameters of its stages (the embedding
 with the first, the final norm and a head — its own copy when tied — with the last). Its schedule
@@ -52,6 +56,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ultratron.errors import UserError
+from ultratron.planning.experts import all_to_all_buffer_bytes, extra_activation_bytes, routed_expert_params_per_layer
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import (
     BALANCES,
@@ -62,7 +67,7 @@ from ultratron.planning.pipeline import (
     stage_split,
     stages_per_rank,
 )
-from ultratron.planning.rules import layout_problems, pipeline_problems, short_name
+from ultratron.planning.rules import head_dim_of, layout_problems, pipeline_problems, short_name
 
 GiB = 1024**3
 RECOMPUTE = ("none", "selective", "full")
@@ -202,7 +207,7 @@ def check_layout(shape, layout: Layout) -> list[str]:
 
 
 def _head_dim(shape) -> int:
-    return shape.dim // shape.n_heads
+    return head_dim_of(shape)
 
 
 def _tokens(layout: Layout) -> float:
@@ -245,14 +250,15 @@ def per_op_layer_activation_bytes(shape, layout: Layout, recompute: str | None =
         return p * tokens * h / region
     norms = 2 * _norm_bytes(tokens / region, h, p, recompute)
     p_attn = 4 if layout.attention_fp32 else p
-    attention = p_attn * tokens * (2 * h + 2 * kv) / t + 4 * tokens * shape.n_heads / t  # + log-sum-exp
+    q = shape.n_heads * _head_dim(shape)  # (= h unless the head width is set apart, as in Qwen3)
+    attention = p_attn * tokens * (2 * q + 2 * kv) / t + 4 * tokens * shape.n_heads / t  # + log-sum-exp
     if getattr(shape, "qk_norm", False):
         # q_norm / k_norm run per head on the matmul outputs, which are otherwise not saved.
-        qk = (h + kv) / t
+        qk = (q + kv) / t
         attention += p * tokens * qk if recompute == "selective" else 8 * tokens * qk + 4 * tokens * (
             shape.n_heads + shape.n_kv_heads) / t + (8 * _head_dim(shape) if p != 4 else 0)
     mlp = (3 if recompute == "selective" else 4) * p * tokens * f / t
-    return norms + attention + mlp
+    return norms + attention + mlp + extra_activation_bytes(shape, tokens, p, t, recompute)
 
 
 def layer_activation_bytes(shape, layout: Layout, model: str = "per-op",
@@ -297,7 +303,8 @@ def _rank_params(shape, layout: Layout, where: PipelineRank) -> float:
     counts = count_params_of(shape)
     t = layout.tp
     norms = 2 * shape.dim + (2 * _head_dim(shape) if getattr(shape, "qk_norm", False) else 0)
-    per_layer = (counts.per_layer - norms) / t + norms
+    routed = routed_expert_params_per_layer(shape)  # split over ep as well
+    per_layer = (counts.mean_layer - routed - norms) / t + norms + routed / (layout.ep * t)
     params = sum(where.layers) * per_layer
     if where.first:
         params += counts.embedding / t
@@ -317,9 +324,13 @@ def _bytes_per_param(layout: Layout) -> tuple[int, int, int, int, int]:
 
 def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> MemoryBreakdown:
     params = _rank_params(shape, layout, where)
+    # split experts (ep or tp > 1) are left out of ZeRO's sharding, as the trainer does
+    experts = sum(where.layers) * routed_expert_params_per_layer(shape) / (layout.ep * layout.tp) if (
+        layout.ep > 1 or layout.tp > 1) else 0.0
     b_param, b_grad, b_accum, b_master, b_optim = _bytes_per_param(layout)
     n = layout.shard_group
     shard = lambda level: n if layout.zero >= level else 1
+    states = lambda per_param, level: (params - experts) * per_param / shard(level) + experts * per_param
     p = layout.compute_bytes
     tokens = _tokens(layout)
     t = layout.tp
@@ -356,7 +367,7 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
     if n > 1 and layout.zero < 3:
         comm += 2 * DDP_BUCKET_BYTES
     if n > 1 and layout.zero == 3:
-        layer_params = (count_params_of(shape).per_layer) / t
+        layer_params = (count_params_of(shape).mean_layer - routed_expert_params_per_layer(shape)) / t
         comm += 2 * layer_params * b_param + layer_params * 4  # two layers gathered, one reduce-scattered
     if t > 1:
         comm += 2 * p * tokens * h
@@ -367,18 +378,20 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
         comm += remote * layout.grad_acc * p * tokens * h / (t if layout.sp else 1)
     if layout.cp > 1:
         comm += 2 * p * tokens * 2 * kv / t
-    optimizer_temporaries = 4 * params / shard(1)
+    all_to_all = all_to_all_buffer_bytes(shape, tokens, p, layout.ep)
+    comm += all_to_all
+    optimizer_temporaries = states(4, 1)
     working = activations + loss_logits + transient
     if optimizer_temporaries > working:
         # The optimizer step runs after backward freed the activations: it sets the peak instead.
         transient = optimizer_temporaries - activations - loss_logits
 
     return MemoryBreakdown(
-        parameters=params * b_param / shard(3),
-        gradients=params * b_grad / shard(2),
-        grad_accum_buffer=params * b_accum / shard(2),
-        master_weights=params * b_master / shard(1),
-        optimizer_states=params * b_optim / shard(1),
+        parameters=states(b_param, 3),
+        gradients=states(b_grad, 2),
+        grad_accum_buffer=states(b_accum, 2),
+        master_weights=states(b_master, 1),
+        optimizer_states=states(b_optim, 1),
         activations=activations,
         loss_logits=loss_logits,
         comm_buffers=comm,
@@ -387,7 +400,7 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
         extra={"params_on_gpu": params, "pp_rank": where.rank, "stages": where.stages,
                "layers_on_stage": sum(where.layers), "layers_per_stage": where.layers,
                "per_layer_activation_bytes": per_layer, "in_flight_micro_batches": in_flight,
-               "activation_model": model},
+               "activation_model": model, "expert_params_on_gpu": experts, "all_to_all_bytes": all_to_all},
     )
 
 
