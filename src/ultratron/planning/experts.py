@@ -15,9 +15,10 @@ in place of the dense SwiGLU's 4·p·T·h_ff/t):
   router: its fp32 scores 4·T·E, their sum 4·T, the chosen int64 indices and fp32 weights 16·T·k;
   the k·T slots: int64 token and slot indices and fp32 weights 20·T·k, the gathered inputs, the
   expert outputs and their weighted copy 3·p·T·k·h, each expert's SwiGLU 4·p·T·k·h_e/t as the
-  dense one; shared experts 4·p·T·S·h_e/t (the layer's input is the norm's output, counted there). Selective recompute keeps the matmul outputs only
-  (p·T·E, 3·p·T·k·h_e/t, p·T·k·h, 3·p·T·S·h_e/t); full recompute keeps only the layer input. Dense
-  first layers (DeepSeek-V3) count as dense; a pipeline rank is charged the average layer.
+  dense one; shared experts 4·p·T·S·h_e/t (the layer's input is the norm's output, counted there).
+  Selective recompute keeps the matmul outputs only (p·T·E, 3·p·T·k·h_e/t, p·T·k·h, 3·p·T·S·h_e/t);
+  full recompute keeps only the layer input. Dense first layers (DeepSeek-V3) count as dense; a
+  pipeline rank is charged the average layer.
 
 All-to-all (ep > 1): each MoE layer sends a rank's k·T slots (p·T·k·h bytes) to their experts' ranks
 and back, in forward twice (dispatch, combine) and again in backward; a fraction (ep−1)/ep leaves

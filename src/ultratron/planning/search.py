@@ -99,7 +99,8 @@ class Estimate:
             "layout": self.layout.__dict__, "describe": self.layout.describe(),
             "peak_bytes": self.memory.peak_bytes, "memory": self.memory.as_dict(),
             "compute_s": self.compute_s, "tp_comm_s": self.tp_comm_s, "cp_exposed_s": self.cp_exposed_s,
-            "pp_comm_s": self.pp_comm_s, "ep_comm_s": self.ep_comm_s, "bubble_s": self.bubble_s, "dp_comm_s": self.dp_comm_s,
+            "pp_comm_s": self.pp_comm_s, "ep_comm_s": self.ep_comm_s, "bubble_s": self.bubble_s,
+            "dp_comm_s": self.dp_comm_s,
             "dp_exposed_s": self.dp_exposed_s, "step_s": self.step_s,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu, "reasons": self.reasons,
         }
