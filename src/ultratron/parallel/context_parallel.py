@@ -136,12 +136,20 @@ def _wait(requests: list) -> None:
         request.wait()
 
 
+def _empty_output(q: torch.Tensor):
+    """The fp32 output accumulator (batch, heads, seq, head_dim) laid out as (batch, seq, heads, head_dim)
+    in memory, as PyTorch's kernels return it, so the model's transpose back is a view, not a copy;
+    and the log-sum-exp, -inf where nothing has been attended yet."""
+    b, h, s, d = q.shape
+    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
+    return out, torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, groups: int, group, rank: int, cp: int):
         c = q.shape[2] // 2
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        out, lse = _empty_output(q)
         kv = torch.stack([k, v])
         for step in range(cp):
             if step < cp - 1:
@@ -202,8 +210,7 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx, q, k, v, groups: int, group, rank: int, cp: int):
         full = _gather_natural(torch.stack([k, v]), group, cp)  # (2, b, kv heads, seq, d) in sequence order
         c = q.shape[2] // 2
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        out, lse = _empty_output(q)
         for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
             rows = slice(half * c, (half + 1) * c)
             for keys, causal in ((slice(0, chunk * c), False), (slice(chunk * c, (chunk + 1) * c), True)):
