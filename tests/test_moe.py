@@ -58,8 +58,9 @@ def test_the_balancing_loss_gradient_is_alpha_times_switch_loss_gradient():
     aux = 4 * (f * scores.mean(0)).sum()
     (expected,) = torch.autograd.grad(0.01 * 0.5 * aux, moe.router.gate.weight)
     torch.testing.assert_close(got, expected)
-    assert moe.router.micro_batches == 1 and moe.router.load.sum() == 64
-    torch.testing.assert_close(moe.router.aux_sum, aux.detach())
+    load, dropped, aux_sum, micro_batches = moe.router.totals()
+    assert micro_batches == 1 and load.sum() == 64 and dropped == 0
+    torch.testing.assert_close(aux_sum, aux.detach())
 
 
 def test_aux_loss_pushes_the_busiest_expert_down():
@@ -82,13 +83,13 @@ def test_capacity_drops_the_overflow_in_training_and_nothing_when_dropless_or_ev
     out = skewed(x)
     out.sum().backward()
     capacity = skewed.router.capacity(40)
-    assert capacity == 20 and skewed.router.dropped > 0
+    assert capacity == 20 and skewed.router.totals()[1] > 0
     choice, _, keep = skewed.router(x)
     assert int(keep[choice == 0].sum()) == capacity  # the first 20 in token order, no more
-    assert skewed.router.dropped == int((~keep).sum())
+    assert skewed.router.totals()[1] == int((~keep).sum())
     dropless = _moe().train()
     dropless(x).sum().backward()
-    assert dropless.router.dropped == 0 and dropless.router.load.sum() == 80
+    assert dropless.router.totals()[1] == 0 and dropless.router.totals()[0].sum() == 80
     skewed.eval()
     assert skewed.router(x)[2] is None  # evaluation is dropless
 
@@ -119,7 +120,7 @@ def test_statistics_count_each_micro_batch_once_under_full_recompute():
     moe = _moe().train()
     wrapped = checkpoint_wrapper(moe, preserve_rng_state=False)
     wrapped(torch.randn(2, 8, 16)).sum().backward()
-    assert moe.router.micro_batches == 1 and moe.router.load.sum() == 32
+    assert moe.router.totals()[3] == 1 and moe.router.totals()[0].sum() == 32
 
 
 def test_published_mixture_of_experts_sizes():

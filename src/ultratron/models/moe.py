@@ -31,7 +31,9 @@ Capacity applies in training only; evaluation and inference are dropless.
 
 Statistics for the metrics (tokens per expert, dropped slots, aux loss) are recorded once per
 trained micro-batch — in backward, so that recomputed forwards do not count twice — into
-`Router.load`, `.dropped`, `.aux_sum`, `.micro_batches`; the trainer reads and clears them.
+`Router.records`; the trainer sums the step's last micro-batches (`Router.totals`: a pipeline
+schedule's first step also runs a shape-inference pass through its stages, whose record is not
+the data's) and clears them.
 
 The experts run through `MoE.dispatch(tokens, choice, weights, keep, experts)`: `local_dispatch`
 here (sort the token slots by expert, one matmul chain per expert, weighted sum back). Expert
@@ -128,10 +130,7 @@ class Router(nn.Module):
         self.share_counts = None
         self.gate = nn.Linear(dim, n_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(n_experts))  # DeepSeek-V3's balancing bias
-        self.register_buffer("load", torch.zeros(n_experts), persistent=False)  # routed slots per expert
-        self.register_buffer("dropped", torch.zeros(()), persistent=False)  # slots over capacity
-        self.register_buffer("aux_sum", torch.zeros(()), persistent=False)
-        self.register_buffer("micro_batches", torch.zeros(()), persistent=False)
+        self.records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (load, dropped, aux) each
 
     def capacity(self, n_tokens: int) -> int | None:
         """Slots an expert takes per micro-batch, None when dropless (or not training)."""
@@ -172,10 +171,16 @@ class Router(nn.Module):
 
     @torch.no_grad()
     def record(self, load: torch.Tensor, dropped: torch.Tensor, aux: torch.Tensor) -> None:
-        self.load += load
-        self.dropped += dropped
-        self.aux_sum += aux
-        self.micro_batches += 1
+        self.records.append((load, dropped, aux))
+
+    def totals(self, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(slots per expert, dropped slots, aux loss sum, micro-batches) of the last `last` records."""
+        records = self.records[-last:] if last else self.records
+        if not records:
+            zero = self.expert_bias.new_zeros(())
+            return self.expert_bias.new_zeros(self.n_experts), zero, zero, 0
+        load, dropped, aux = (torch.stack(parts).sum(0) for parts in zip(*records, strict=True))
+        return load, dropped, aux, len(records)
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor) -> None:
@@ -183,10 +188,8 @@ class Router(nn.Module):
         if self.bias_update > 0:
             self.expert_bias += self.bias_update * torch.sign(load.mean() - load)
 
-    @torch.no_grad()
     def clear(self) -> None:
-        for stat in (self.load, self.dropped, self.aux_sum, self.micro_batches):
-            stat.zero_()
+        self.records.clear()
 
 
 class MoE(nn.Module):

@@ -30,13 +30,15 @@ class RouterStats:
         for router in self.routers:
             router.aux_loss_scale = loss_weight
 
-    def after_step(self) -> dict:
-        """The step's router metrics (empty for a dense model); updates the biases and clears the counts."""
+    def after_step(self, n_micro_batches: int) -> dict:
+        """The step's router metrics (empty for a dense model) from its `n_micro_batches`; updates the
+        biases and clears the records."""
         if not self.routers:
             return {}
-        load = sum_over_dp(torch.stack([r.load for r in self.routers]), self.dims)  # (layers, experts)
-        totals = sum_over_dp(torch.stack([torch.stack([r.dropped, r.aux_sum, r.micro_batches])
-                                          for r in self.routers]).sum(0), self.dims)
+        stats = [r.totals(n_micro_batches) for r in self.routers]
+        load = sum_over_dp(torch.stack([s[0] for s in stats]), self.dims)  # (layers, experts)
+        totals = sum_over_dp(torch.stack([torch.stack([s[1], s[2], s[1].new_tensor(float(s[3]))])
+                                          for s in stats]).sum(0), self.dims)
         ratio = (load.max(1).values / load.mean(1).clamp_min(1e-9)).max()
         for router, layer_load in zip(self.routers, load, strict=True):
             router.update_bias(layer_load)

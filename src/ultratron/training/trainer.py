@@ -161,7 +161,7 @@ class Trainer:
         if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        moe = self.routers.after_step()
+        moe = self.routers.after_step(cfg.grad_accum_steps)
         self.state.step += 1
         elapsed = time.perf_counter() - start
         tokens_per_sec = cfg.training.batch_tokens / elapsed
