@@ -5,8 +5,12 @@ the ratio, measured side by side in one process.
 
   python benchmarks/checkpoint_async.py [--params 25e6] [--repeats 3] [--no-s3]
 
-"Blocked" is the time from the call until the loop may take its next step; for the asynchronous
-save it also counts any wait for the previous save (none here: each is awaited off the clock).
+Each save sits in a training loop as the trainer has it: the save is called after an optimizer
+step; the next step's forward and backward run (a real one on the benchmark's model); then the
+loop waits for the save's copy into host memory to finish (`before_update`) and steps the
+optimizer. "Blocked" is the save call plus that wait: the time the loop stands still because of
+the checkpoint. The forward/backward is also timed with and without a save in flight, since on a
+CPU the background copy and write share the cores with it (reported as "slowdown").
 """
 
 from __future__ import annotations
@@ -45,19 +49,35 @@ def model_and_optimizer(params: float):
     return model, optimizer
 
 
+def forward_backward(model, batch) -> float:
+    start = time.perf_counter()
+    model(batch).square().mean().backward()
+    return time.perf_counter() - start
+
+
 def measure(root: str, model, optimizer, asynchronous: bool, repeats: int, endpoint: str | None = None):
+    """Medians of (blocked s, written-by s, forward/backward s with the save in flight, without)."""
     checkpointer = Checkpointer(root, keep=2, endpoint=endpoint, asynchronous=asynchronous)
-    blocked, total = [], []
+    batch = torch.randn(512, model[0].in_features)
+    blocked, total, during, alone = [], [], [], []
     for step in range(1, repeats + 1):
+        alone.append(forward_backward(model, batch))
+        optimizer.step()
         start = time.perf_counter()
         pending = checkpointer.save(step, ModelState(model, optimizer), Counter(), {"config.toml": ""})
-        blocked.append(time.perf_counter() - start)
+        called = time.perf_counter() - start
+        during.append(forward_backward(model, batch))  # the next step, while the save runs
+        wait_start = time.perf_counter()
+        checkpointer.before_update()
+        blocked.append(called + time.perf_counter() - wait_start)
+        optimizer.step()
+        optimizer.zero_grad()
         outcome = checkpointer.wait()
         total.append(time.perf_counter() - start)
         if outcome.error:
             raise SystemExit(f"save failed: {outcome.error}")
         assert pending.done()
-    return statistics.median(blocked), statistics.median(total)
+    return tuple(statistics.median(v) for v in (blocked, total, during, alone))
 
 
 def s3_server():
@@ -98,13 +118,15 @@ def main() -> None:
         for name, endpoint, bucket in targets:
             with tempfile.TemporaryDirectory() as tmp:
                 root = tmp if endpoint is None else f"s3://{bucket}/{uuid.uuid4().hex[:6]}"
-                sync_blocked, _ = measure(root + "/sync" if endpoint is None else root + "-sync", model, optimizer,
-                                          False, args.repeats, endpoint)
-                async_blocked, async_total = measure(root + "/async" if endpoint is None else root + "-async",
-                                                     model, optimizer, True, args.repeats, endpoint)
+                sync_blocked, *_ = measure(root + "/sync" if endpoint is None else root + "-sync", model, optimizer,
+                                           False, args.repeats, endpoint)
+                async_blocked, async_total, during, alone = measure(
+                    root + "/async" if endpoint is None else root + "-async", model, optimizer, True, args.repeats,
+                    endpoint)
             print(f"{name:>22}: synchronous save blocks {sync_blocked:.3f} s; asynchronous blocks "
                   f"{async_blocked:.3f} s (written in {async_total:.3f} s in the background); "
-                  f"ratio {async_blocked / sync_blocked:.1%}")
+                  f"ratio {async_blocked / sync_blocked:.1%}; forward/backward {alone:.3f} s alone, "
+                  f"{during:.3f} s with the save in flight (slowdown {during / alone - 1:+.0%})")
     finally:
         if server is not None:
             server.stop()

@@ -200,3 +200,21 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(model):
     server = Server(model, Tok(), limits=ServerLimits(max_batch_rows=2, max_model_len=64))
     assert server.context == 64 and server.batcher.engine.cache.capacity == 64
     server.batcher.close()
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_max_batch_bounds_the_sequences_generated_together(model, rows):
+    """`--max-batch` (the KV-cache slots): eight 6-token requests at once take about 6 engine steps
+    with 8 slots (they run together) and 48 with 1 (one after another), with the same tokens."""
+    batcher = Batcher(model, eos_id=0, decode=_decode, max_rows=rows)
+    seqs = [Sequence([5 + i, 9], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for i in range(8)]
+    done = threading.Semaphore(0)
+    batcher.submit(seqs, lambda err: done.release())
+    assert done.acquire(timeout=120)
+    steps = batcher.steps_run
+    batcher.close()
+    alone = [Sequence([5 + i, 9], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for i in range(8)]
+    for seq in alone:
+        run_batch(model, [seq], eos_id=0, decode=_decode)
+    assert [[t.id for t in s.tokens] for s in seqs] == [[t.id for t in s.tokens] for s in alone]
+    assert steps <= 8 if rows == 8 else steps >= 8 * 5

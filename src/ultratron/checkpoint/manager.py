@@ -73,11 +73,13 @@ def _stager():
     """The host-memory staging of asynchronous saves, kept for the run: its buffers are allocated at
     the first save and reused by the next (a fresh allocation each time costs page faults, which on
     CPU dominate the copy). Pinned memory where there is a GPU, for fast device-to-host copies.
-    Reuse is safe because at most one save is in flight."""
+    Reuse is safe because at most one save is in flight. The copy itself runs in a background
+    thread too (`use_async_staging`): the next step's forward and backward only read the weights,
+    so the loop waits for the copy only before its next optimizer update (`PendingSave.wait_staged`)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=False))
+                                        use_async_staging=True, use_non_blocking_copy=False))
 
 
 def checkpoint_group():
@@ -117,13 +119,22 @@ class SaveOutcome:
 class PendingSave:
     """A save that may still be writing. `wait()` (every rank, at the same point) returns its outcome."""
 
-    def __init__(self, step: int, final: Location, future: Future, group=None, refused: bool = False):
+    def __init__(self, step: int, final: Location, future: Future, group=None, refused: bool = False,
+                 staged: Future | None = None):
         self.step, self.final, self._future, self._group = step, final, future, group
         self.refused = refused  # failed before writing anything (known on every rank at once)
+        self._staged = staged  # done once the tensors are copied out (None: copied before returning)
         self._outcome: SaveOutcome | None = None
 
     def done(self) -> bool:
         return self._future.done()
+
+    def wait_staged(self) -> None:
+        """Block until the tensors being saved have been copied to host memory, after which the
+        weights and optimizer state may change again. A failed copy shows in `wait()`'s outcome."""
+        if self._staged is not None:
+            self._staged.exception()  # waits; the error itself reaches the outcome through the upload
+            self._staged = None
 
     def wait(self, collective: bool = True) -> SaveOutcome:
         """The outcome; `collective` (every rank calls it together): every rank's failures count."""
@@ -236,12 +247,15 @@ def write_checkpoint(final: Location, step: int, model: ModelState, train_state:
             settle(lambda: dcp.save(state, storage_writer=writer, process_group=group, planner=planner))
         return PendingSave(step, final, future, group)
     try:
-        upload = dcp.async_save(state, storage_writer=writer, process_group=group, async_stager=stager)
+        response = dcp.async_save(state, storage_writer=writer, process_group=group, async_stager=stager)
     except (Exception, CheckpointException) as err:  # the staging copy itself failed (host memory)
         settle(partial(_reraise, err))
         return PendingSave(step, final, future, group)
+    # with a background copy DCP answers with two futures: the copy, and the upload after it
+    staged, upload = (response.staging_completion, response.upload_completion) if hasattr(
+        response, "upload_completion") else (None, response)
     threading.Thread(target=settle, args=(upload.result,), name=f"checkpoint-step-{step}", daemon=True).start()
-    return PendingSave(step, final, future, group)
+    return PendingSave(step, final, future, group, staged=staged)
 
 
 def _reraise(err: BaseException):
@@ -351,6 +365,7 @@ class Checkpointer:
 
     def load(self, path: Location, model: ModelState, train_state: Stateful | None = None,
              verified: bool = False) -> Location:
+        self.before_update()  # loading overwrites the tensors a save in flight may still be copying
         if isinstance(path, str) and self.storage.remote:
             ckpt = read_checkpoint(path, model, train_state, storage=self.storage, verified=verified)
         else:
@@ -369,6 +384,12 @@ class Checkpointer:
                                         needed=manifest_bytes(previous) or None, on_commit=self._committed,
                                         stager=self.stager)
         return self.pending
+
+    def before_update(self) -> None:
+        """Before the weights or optimizer state change (the optimizer step, a load): the save in
+        flight must have copied them out."""
+        if self.pending is not None:
+            self.pending.wait_staged()
 
     def _committed(self, final: Location) -> None:
         """Rank 0, when a checkpoint is whole: it is the one `latest` names, and retention runs."""

@@ -131,6 +131,11 @@ class CheckpointPolicy:
                  f"again (last good checkpoint: {self.last or 'none'}): {outcome.error}")
         return outcome
 
+    def before_update(self) -> None:
+        """Called before the optimizer changes the weights: an asynchronous save copies them out in
+        the background while forward and backward run, and must have finished copying."""
+        self.checkpointer.before_update()
+
     def rollback(self, before_step: int) -> int | None:
         """Load the newest verified checkpoint older than `before_step` (for the stability guard);
         returns its step, or None when there is none."""

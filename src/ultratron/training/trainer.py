@@ -159,6 +159,7 @@ class Trainer:
                                          uncounted=tied_copies(self.model)))
         skipped = self.guard.skip_update(self.step + 1, loss, grad_norm)  # NaN/Inf: no update
         if not skipped:
+            self.checkpoints.before_update()  # an asynchronous save may still be copying the weights
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         moe = self.routers.after_step(cfg.grad_accum_steps)
