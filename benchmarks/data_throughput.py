@@ -11,7 +11,8 @@ driver with all its threads plus the worker processes) with input MB per CPU sec
 CPU second is the per-core figure: what one fully busy core gets through, whatever the number
 of processes and threads, and far less disturbed than wall time by other jobs on shared cores.
 Then the two steps the acceptance figures (≥ 5 MB/s per core) name, alone in this process:
-MinHash signatures (one thread, ≤ 5 MB) and tokenizer encoding (the tokenizer's own threads).
+MinHash signatures (one thread, ≤ 5 MB) and tokenizer encoding (`Tokenizer.encode_batch`, which
+is tiktoken where it gives the same ids, `data/fast_bpe.py`; beside it `tokenizers` itself).
 Process and thread counts: `--workers` worker processes do the per-part work; in them the
 tokenizer encodes on one thread each (`tokenizers` turns its thread pool off in a forked child
 once the parent has used it), while with one worker it encodes in the driver on every core.
@@ -133,11 +134,14 @@ def bench_parts(texts: list[str], tokenize_dir: Path) -> dict:
     docs = [r["text"] for p in list_parts(tokenize_dir) for _, r, _ in iter_records(p) if r]
     size = sum(len(t.encode("utf-8")) for t in docs)
 
-    def encode() -> None:
+    def encode(fn) -> None:
         for i in range(0, len(docs), BATCH_DOCS):
-            tokenizer.encode_batch(docs[i:i + BATCH_DOCS])
-    wall, cpu = timed(encode)
+            fn(docs[i:i + BATCH_DOCS])
+    assert tokenizer.fast is not None, tokenizer.fast_reason
+    wall, cpu = timed(lambda: encode(tokenizer.encode_batch))
     out["encode"] = {"mb": size / 1e6, "wall": wall, "cpu": cpu}
+    wall, cpu = timed(lambda: encode(lambda texts: tokenizer.hf.encode_batch_fast(texts, add_special_tokens=False)))
+    out["encode_hf"] = {"mb": size / 1e6, "wall": wall, "cpu": cpu}
     return out
 
 
@@ -188,11 +192,22 @@ def run(name: str, source: str, workdir: Path, workers: int, max_bytes: int, rep
               f"{row['mb_per_s']:>8.2f} {row['docs_per_s']:>8.0f} {cpu:>7.2f} {row['mb_per_cpu_s']:>9.2f}")
     print(f"{'total':<16} {'':>8} {'':>8} {'':>7} {sum(r['seconds'] for r in rows):>8.1f} {'':>8} {'':>8} "
           f"{sum(r['cpu_seconds'] for r in rows):>7.1f}")
+    tok = next(i for i, s in enumerate(first) if s["stage"] == "tokenize")
+    train = statistics.median(run[tok]["train_cpu_seconds"] for run in runs)
+    row = rows[tok]
+    row["train_cpu_seconds"] = train
+    row["mb_per_cpu_s_without_training"] = row["mb_in"] / max(row["cpu_seconds"] - train, 1e-9)
+    print(f"tokenize: {first[tok]['encoder']}; training the tokenizer took {train:.2f} of its {row['cpu_seconds']:.2f} "
+          f"CPU s (a fixed cost, ≤ tokenize.train_bytes); the rest: {row['mb_per_cpu_s_without_training']:.2f} "
+          "MB per CPU-second")
     stage_dir = {s: workdir / f"{name}-0" / f"{i:02d}-{s}" for i, s in enumerate(r["stage"] for r in rows)}
     texts = [r["text"] for p in list_parts(stage_dir["normalize"]) for _, r, _ in iter_records(p) if r]
     parts = bench_parts(texts, stage_dir["tokenize"])
     for label, key, threads in (("MinHash signatures alone", "minhash", "1 thread"),
-                                ("tokenizer encoding alone", "encode", f"{os.cpu_count()} tokenizer threads")):
+                                ("tokenizer encoding alone (tiktoken, same ids)", "encode",
+                                 f"{min(8, os.cpu_count())} threads"),
+                                ("... with tokenizers' encode_batch_fast instead", "encode_hf",
+                                 f"{os.cpu_count()} tokenizer threads")):
         m = parts[key]
         print(f"{label} ({m['mb']:.1f} MB, this process, {threads}, median of 3): {m['mb'] / m['wall']:.1f} MB/s, "
               f"{m['mb'] / m['cpu']:.1f} MB per CPU-second")

@@ -90,7 +90,7 @@ def write_toml(cfg: dict, path: Path) -> Path:
 
 # Bookkeeping that may differ between equal runs: timings, process ids, the run's own paths
 # and worker count. Everything else is compared byte for byte.
-VOLATILE = {"seconds", "pid", "wall_seconds", "part_seconds", "workers"}
+VOLATILE = {"seconds", "pid", "wall_seconds", "part_seconds", "workers", "train_cpu_seconds"}
 
 
 def _scrub(obj, out: str):

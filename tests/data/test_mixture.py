@@ -206,3 +206,26 @@ def test_sources_with_different_tokenizers_are_refused(prepared_sources, tmp_pat
                                     "--run.dir", str(tmp_path / "r"), "--training.steps", "1"])
     with pytest.raises(DataError, match="must share one tokenizer.*a \\(tokenizer .*o \\(tokenizer"):
         train(cfg, echo=False)
+
+
+def test_a_batch_ramp_over_a_mixture_resumes_exactly(prepared_sources, tmp_path):
+    from conftest import TINY
+    from ultratron.config import load_config
+    from ultratron.training.metrics import read_metrics
+    from ultratron.training.trainer import train
+
+    root = prepared_sources
+    common = TINY + ["--data.sources", f"a={root / 'a'},b={root / 'b'}", "--data.weights", "a=0.7,b=0.3",
+                     "--training.batch_tokens", "1024", "--training.batch_ramp", "start=256,tokens=2048",
+                     "--training.steps", "3", "--eval.interval", "0"]
+    train(load_config(None, common + ["--run.dir", str(tmp_path / "full")]), echo=False)
+    split = common + ["--run.dir", str(tmp_path / "split")]
+    train(load_config(None, split + ["--training.stop_after", "3"]), echo=False)
+    train(load_config(None, split + ["--checkpoint.resume", "auto"]), echo=False)
+    full = {r["step"]: r for r in read_metrics(tmp_path / "full") if "loss" in r}
+    resumed = {r["step"]: r for r in read_metrics(tmp_path / "split") if "loss" in r}
+    assert sorted(resumed) == sorted(full) and len(full) > 4
+    assert [full[s]["batch_tokens"] for s in sorted(full)] == [256, 256, 256, 512, 512, 768, 1024]
+    for step in range(4, len(full) + 1):
+        assert abs(full[step]["loss"] - resumed[step]["loss"]) <= 1e-6
+        assert full[step]["tokens/a"] + full[step]["tokens/b"] == full[step]["tokens"] == resumed[step]["tokens"]

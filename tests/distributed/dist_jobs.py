@@ -111,3 +111,37 @@ def ring_attention_errors(out_dir: str) -> None:
                     errors[name + "_scale"] = float(expected.abs().max())
                 results[f"cp{cp}-{mode}-{'gqa' if kv_heads < heads else 'mha'}"] = errors
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def measure_step_memory(base: list[str], layouts: list[list[str]], out_dir: str) -> None:
+    """For each layout: the bytes this rank's second micro-batch of a step leaves alive after its
+    forward (`parallel.memory.LiveTensors`: every tensor ops created, gloo's outputs included), the
+    token ids and targets added; written to out_dir/rank<r>.json, one entry per layout."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from ultratron.config import load_config
+    from ultratron.parallel.memory import LiveTensors
+    from ultratron.parallel.parallelize import micro_batch
+    from ultratron.training.loss import cross_entropy
+    from ultratron.training.precision import autocast
+    from ultratron.training.trainer import Trainer
+
+    results = []
+    for i, flags in enumerate(layouts):
+        trainer = Trainer(load_config(None, base + flags + ["--run.dir", f"{out_dir}/layout{i}"]), echo=False)
+        model, dims, device, precision = trainer.model, trainer.dims, trainer.device, trainer.cfg.training.precision
+        inputs, targets = trainer.train_loader.next_batch()
+        for _ in range(2):  # the first micro-batch allocates the gradients; the second is measured
+            with micro_batch(model, dims, last=False):
+                with LiveTensors(model) as meter:
+                    with autocast(precision, device):
+                        logits = model(inputs)
+                    loss, _ = cross_entropy(logits, targets)
+                alive = meter.alive()
+                loss.backward()
+            del logits, loss
+        results.append(alive + (inputs.numel() + targets.numel()) * 8)
+    Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))

@@ -4,13 +4,8 @@ import pytest
 
 from ultratron.errors import UserError
 from ultratron.models.presets import PRESETS
-from ultratron.planning.memory import (
-    GiB,
-    Layout,
-    estimate_memory,
-    estimate_memory_per_rank,
-    textbook_layer_activation_bytes,
-)
+from ultratron.planning.activations import textbook_layer_activation_bytes
+from ultratron.planning.memory import GiB, Layout, estimate_memory, estimate_memory_per_rank
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import stage_split
 
@@ -43,14 +38,21 @@ def test_textbook_tp_sp_and_full_recompute_divisions():
     assert per_layer(cp=4, recompute="selective") == 34 * sbh / 4
 
 
-def test_static_bytes_follow_zero_stages():
+def test_static_bytes_follow_the_trainers_zero_stages():
     psi = count_params_of(LLAMA8B).total
-    expected = {0: 16 * psi, 1: (2 + 2 + 12 / 8) * psi, 2: (2 + 14 / 8) * psi, 3: 16 / 8 * psi}
+    # bf16 as the trainer runs it: DDP keeps fp32 weights and gradients (autocast computes in bf16),
+    # ZeRO-1 shards the moments; FSDP2 shards all three and, at ZeRO-2, holds the bf16 weights gathered.
+    expected = {0: (4 + 4 + 8) * psi, 1: (4 + 4 + 8 / 8) * psi, 2: (4 / 8 + 2 + 4 / 8 + 8 / 8) * psi, 3: 16 / 8 * psi}
     for zero, want in expected.items():
-        got = estimate_memory(LLAMA8B, Layout(dp=8, zero=zero, seq=2048)).static_bytes
-        assert got == pytest.approx(want, rel=1e-12), zero
-    accum = estimate_memory(LLAMA8B, Layout(seq=2048, fp32_grad_accum=True)).static_bytes
-    assert accum == pytest.approx(20 * psi)
+        got = estimate_memory(LLAMA8B, Layout(dp=8, zero=zero, seq=2048))
+        assert got.static_bytes == pytest.approx(want, rel=1e-12), zero
+        assert got.master_weights == 0
+    # DDP's gradient buckets: a second fp32 copy of the gradients
+    assert estimate_memory(LLAMA8B, Layout(dp=8, seq=2048)).comm_buffers == pytest.approx(4 * psi)
+    # Megatron-LM's table ("bf16 param, fp32 grads"): 18 bytes, 6 + 12/d with the distributed optimizer
+    for dp, zero, want in ((1, 0, 18), (8, 1, 6 + 12 / 8)):
+        got = estimate_memory(LLAMA8B, Layout(dp=dp, zero=zero, seq=2048, fp32_grad_accum=True))
+        assert got.static_bytes == pytest.approx(want * psi) and got.gradients == 0
     fp32 = estimate_memory(LLAMA8B, Layout(seq=2048, precision="fp32")).static_bytes
     assert fp32 == pytest.approx(16 * psi)
 

@@ -1,6 +1,7 @@
 """Plan a training run before booking a cluster — instantly, without torch.
 
-  ultratron plan memory  --model llama3-8b --dp 8 --zero 1 --seq 8192 --recompute none,selective,full
+  ultratron plan memory   --model llama3-8b --dp 8 --zero 1 --seq 8192 --recompute none,selective,full
+  ultratron plan estimate --model llama3-8b --dp 8 --zero 1 --seq 8192 --grad-acc 16 --gpu h100-sxm --json
   ultratron plan scaling --flops 5.76e23            (or --gpus 1024 --gpu h100-sxm --days 30 --mfu 0.4)
   ultratron plan search  --model llama3-8b --gpu h100-sxm --gpus 8 --batch-tokens 1048576 --seq 8192
   ultratron plan memory  --model mixtral-8x7b --dp 8 --ep 8 --zero 3 --seq 4096   (a mixture of experts)
@@ -19,6 +20,7 @@ from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from types import SimpleNamespace
 
+from ultratron.cli.plan_output import gib, human, stacked_bars, table, varying_labels, wrap
 from ultratron.errors import UserError
 from ultratron.models.presets import PRESETS, ModelShape
 from ultratron.planning import hardware, scaling
@@ -43,31 +45,20 @@ TEXT_SWEEPS = ("pp_schedule", "recompute")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="plan_command", metavar="{memory,scaling,search}")
+    sub = parser.add_subparsers(dest="plan_command", metavar="{memory,estimate,scaling,search}")
     sub.required = True
     mem = sub.add_parser("memory", help="bytes per GPU for a model and one or more layouts")
-    _model_arguments(mem)
-    for name, default in (("dp", "1"), ("zero", "0"), ("tp", "1"), ("pp", "1"), ("virtual-stages", "0"),
-                          ("cp", "1"), ("ep", "1"), ("mbs", "1"), ("grad-acc", "1"), ("seq", "4096")):
-        extra = "; pipeline stages per rank, 0: the schedule's own" if name == "virtual-stages" else ""
-        mem.add_argument(f"--{name}", default=default, help=f"integer or comma list (default {default}{extra})")
-    mem.add_argument("--sp", action="store_true", help="sequence parallel (with tp > 1)")
-    mem.add_argument("--pp-schedule", default="1f1b",
-                     help=f"pipeline schedule, as the trainer's parallel.pp_schedule: {', '.join(SCHEDULES)}, "
-                          "or a comma list")
-    mem.add_argument("--pp-split", help="layers per pipeline stage, comma-separated (as parallel.pp_split)")
-    mem.add_argument("--pp-balance", default="flops", choices=BALANCES,
-                     help="what the default stage split evens out (as parallel.pp_balance)")
-    mem.add_argument("--recompute", default="none", help="none|selective|full, or a comma list")
-    mem.add_argument("--precision", default="bf16", choices=PRECISIONS)
-    mem.add_argument("--fp32-grad-accum", action="store_true", help="keep an fp32 gradient-accumulation buffer")
-    mem.add_argument("--attention-fp32", action="store_true",
-                     help="attention computed in fp32 under bf16 (as ultratron does on CPU)")
-    mem.add_argument("--activation-model", default="per-op", choices=ACTIVATION_MODELS,
-                     help="per-op: what ultratron's Llama saves; textbook: Korthikanti et al. 2022")
+    _layout_arguments(mem, lists=True)
     mem.add_argument("--json", action="store_true", help="print JSON (with peak_bytes) instead of a table")
     mem.add_argument("--chart", metavar="PNG", help="stacked bars of the terms per layout")
     mem.set_defaults(plan_run=run_memory)
+
+    est = sub.add_parser("estimate", help="peak memory, step time, tokens/s/GPU and MFU of one layout")
+    _layout_arguments(est, lists=False)
+    _hardware_arguments(est)
+    est.add_argument("--json", action="store_true", help="print JSON (peak_bytes, step_seconds, "
+                                                         "tokens_per_sec_per_gpu, mfu and their terms)")
+    est.set_defaults(plan_run=run_estimate)
 
     sc = sub.add_parser("scaling", help="compute-optimal size and tokens, time, cost, checkpoint storage")
     sc.add_argument("--flops", type=float, help="compute budget in FLOPs")
@@ -91,20 +82,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     se = sub.add_parser("search", help="fastest layout that fits; writes its config")
     _model_arguments(se)
-    se.add_argument("--gpu", default="h100-sxm", help=f"GPU type: {', '.join(hardware.ACCELERATORS)}")
+    _hardware_arguments(se)
     se.add_argument("--gpus", type=int, required=True, help="total GPU count")
-    se.add_argument("--gpus-per-node", type=int, help="default: the GPU type's usual node (8)")
     se.add_argument("--batch-tokens", type=int, required=True, help="global batch in tokens")
     se.add_argument("--seq", type=int, required=True, help="sequence length")
     se.add_argument("--precision", default="bf16", choices=PRECISIONS)
-    se.add_argument("--headroom", type=float, default=0.10, help="fraction of memory left free (default 0.1)")
-    se.add_argument("--efficiency", type=float, default=0.6, help="large-matmul fraction of peak (default 0.6)")
     se.add_argument("--activation-model", default="per-op", choices=ACTIVATION_MODELS)
     se.add_argument("--top", type=int, default=5, help="layouts to print")
     se.add_argument("--out", default="plan-best.toml", help="config for the best layout ('-' to skip)")
     se.add_argument("--json", action="store_true")
     se.add_argument("--chart", metavar="PNG", help="step-time components of the top layouts")
     se.set_defaults(plan_run=run_search)
+
+
+def _layout_arguments(parser: argparse.ArgumentParser, lists: bool) -> None:
+    """The model and one layout's fields (`lists`: integer and text fields take comma lists to sweep)."""
+    _model_arguments(parser)
+    what = "integer or comma list" if lists else "integer"
+    for name, default in (("dp", "1"), ("zero", "0"), ("tp", "1"), ("pp", "1"), ("virtual-stages", "0"),
+                          ("cp", "1"), ("ep", "1"), ("mbs", "1"), ("grad-acc", "1"), ("seq", "4096")):
+        extra = "; pipeline stages per rank, 0: the schedule's own" if name == "virtual-stages" else ""
+        parser.add_argument(f"--{name}", default=default, help=f"{what} (default {default}{extra})")
+    parser.add_argument("--sp", action="store_true", help="sequence parallel (with tp > 1)")
+    parser.add_argument("--pp-schedule", default="1f1b",
+                        help=f"pipeline schedule, as the trainer's parallel.pp_schedule: {', '.join(SCHEDULES)}"
+                             + (", or a comma list" if lists else ""))
+    parser.add_argument("--pp-split", help="layers per pipeline stage, comma-separated (as parallel.pp_split)")
+    parser.add_argument("--pp-balance", default="flops", choices=BALANCES,
+                        help="what the default stage split evens out (as parallel.pp_balance)")
+    parser.add_argument("--recompute", default="none", help="none|selective|full" + (", or a comma list" if lists
+                                                                                  else ""))
+    parser.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    parser.add_argument("--fp32-grad-accum", action="store_true",
+                        help="price the Megatron-LM convention instead of the trainer's: bf16 weights, fp32 main "
+                             "gradients (no bf16 copy), fp32 master weights")
+    parser.add_argument("--attention-fp32", action="store_true",
+                        help="attention computed in fp32 under bf16 (as ultratron does on CPU)")
+    parser.add_argument("--activation-model", default="per-op", choices=ACTIVATION_MODELS,
+                        help="per-op: what ultratron's trainer keeps; textbook: Korthikanti et al. 2022")
+
+
+def _hardware_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpu", default="h100-sxm", help=f"GPU type: {', '.join(hardware.ACCELERATORS)}")
+    parser.add_argument("--gpus-per-node", type=int, help="default: the GPU type's usual node (8)")
+    parser.add_argument("--headroom", type=float, default=0.10, help="fraction of memory left free (default 0.1)")
+    parser.add_argument("--efficiency", type=float, default=0.6, help="large-matmul fraction of peak (default 0.6)")
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,65 +167,6 @@ def resolve_shape(args) -> SimpleNamespace:
         raise UserError(problems)
     values["qk_norm"] = bool(getattr(args, "qk_norm", False) or values.get("qk_norm", False))
     return SimpleNamespace(**values)
-
-
-def _gib(value: float) -> str:
-    return f"{value / GiB:.2f}"
-
-
-def _human(value: float, unit: str = "") -> str:
-    for threshold, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if abs(value) >= threshold:
-            return f"{value / threshold:.2f}{suffix}{unit}"
-    return f"{value:.0f}{unit}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(row: list[str]) -> str:
-        cells = zip(row, widths, strict=True)
-        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(cells))
-
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
-
-
-def _wrap(text: str, per_line: int = 3) -> str:
-    words = text.split()
-    return "\n".join(" ".join(words[i:i + per_line]) for i in range(0, len(words), per_line))
-
-
-def _varying_labels(layouts: list[Layout]) -> list[str]:
-    """Chart labels naming only the layout fields the sweep changes."""
-    names = [f.name for f in dataclass_fields(Layout)]
-    varying = [n for n in names if len({getattr(lay, n) for lay in layouts}) > 1]
-    if not varying:
-        return [_wrap(lay.describe()) for lay in layouts]
-    return [_wrap(" ".join(f"{n}={getattr(lay, n)}" for n in varying), 2) for lay in layouts]
-
-
-def _stacked_bars(path: str, labels: list[str], series: dict[str, list[float]], ylabel: str, title: str,
-                  limit: float | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(labels) + 3), 5))
-    bottom = [0.0] * len(labels)
-    for name, values in series.items():
-        if any(values):
-            ax.bar(range(len(labels)), values, bottom=bottom, label=name)
-            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    if limit:
-        ax.axhline(limit, color="black", linestyle="--", linewidth=1, label="usable memory")
-    ax.set_xticks(range(len(labels)), labels, fontsize=7)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 # ---- memory --------------------------------------------------------------------------------
@@ -259,22 +222,22 @@ def run_memory(args) -> int:
         print(f"model: {args.model or 'custom'} — {counts.total / 1e9:.3f}B parameters{active}; activations: "
               f"{args.activation_model}; GiB on the heaviest GPU")
         header = ["term"] + [f"#{i + 1}" for i in range(len(results))]
-        rows = [[term] + [_gib(getattr(m, term)) for _, m in results] for term in MemoryBreakdown.TERMS]
-        rows.append(["peak"] + [_gib(m.peak_bytes) for _, m in results])
+        rows = [[term] + [gib(getattr(m, term)) for _, m in results] for term in MemoryBreakdown.TERMS]
+        rows.append(["peak"] + [gib(m.peak_bytes) for _, m in results])
         rows.append(["stage"] + [m.stage if lay.pp == 1 else f"{m.stage} (rank {m.extra['pp_rank']})"
                                  for lay, m in results])
-        print(_table(header, rows))
+        print(table(header, rows))
         for i, (lay, m) in enumerate(results):
             experts = m.extra["expert_params_on_gpu"]
-            moe = (f"; experts: {_human(experts)} params on the GPU (their parameters, gradients and optimizer "
-                   f"state, split over ep·tp, not ZeRO-sharded), all-to-all buffers {_gib(m.extra['all_to_all_bytes'])}"
+            moe = (f"; experts: {human(experts)} params on the GPU (their parameters, gradients and optimizer "
+                   f"state, split over ep·tp, not ZeRO-sharded), all-to-all buffers {gib(m.extra['all_to_all_bytes'])}"
                    f" GiB (in comm_buffers)") if experts else ""
             print(f"#{i + 1}: {lay.describe()} seq={lay.seq} {lay.precision}"
                   f"{' fp32-grad-accum' if lay.fp32_grad_accum else ''}{moe}")
     if args.chart:
-        labels = _varying_labels([lay for lay, _ in results])
+        labels = varying_labels([lay for lay, _ in results])
         series = {term: [getattr(m, term) / GiB for _, m in results] for term in MemoryBreakdown.TERMS}
-        _stacked_bars(args.chart, labels, series, "GiB per GPU", f"{args.model or 'custom model'}: memory per GPU")
+        stacked_bars(args.chart, labels, series, "GiB per GPU", f"{args.model or 'custom model'}: memory per GPU")
         if not args.json:
             print(f"chart: {args.chart}")
     return 0
@@ -340,25 +303,73 @@ def run_scaling(args) -> int:
     header = ["allocation", "active N", "total N", "tokens D", "D/N", "loss", "ckpt", "disk (kept)"]
     if args.gpus:
         header += [f"days on {args.gpus}×{acc.name}", "GPU-hours"] + (["cost $"] if args.price_per_gpu_hour else [])
-    table = []
+    lines = []
     for r in out["rows"]:
-        cells = [r["method"], _human(r["active_params"]), _human(r["total_params"]), _human(r["tokens"]),
+        cells = [r["method"], human(r["active_params"]), human(r["total_params"]), human(r["tokens"]),
                  f"{r['tokens_per_param']:.1f}", "—" if r["loss"] is None else f"{r['loss']:.3f}",
                  f"{r['checkpoint_bytes'] / 1e9:,.0f} GB", f"{r['storage_peak_bytes'] / 1e12:,.2f} TB"]
         if args.gpus:
             cells += [f"{r['days']:.1f}", f"{r['gpu_hours']:,.0f}"]
             if args.price_per_gpu_hour:
                 cells.append(f"{r['cost_usd']:,.0f}")
-        table.append(cells)
-    print(_table(header, table))
+        lines.append(cells)
+    print(table(header, lines))
     print("fits: epoch = " + scaling.FITS["epoch"].source + "; hoffmann = " + scaling.FITS["hoffmann"].source)
     print(f"checkpoint = weights bf16 + fp32 master + 2 Adam moments (14 bytes × total params); "
-          f"saved every {args.save_interval} steps of {_human(args.batch_tokens)} tokens, {args.keep} kept "
+          f"saved every {args.save_interval} steps of {human(args.batch_tokens)} tokens, {args.keep} kept "
           f"(+1 while writing)")
     return 0
 
 
 # ---- search --------------------------------------------------------------------------------
+
+def _hardware_problems(args) -> list[str]:
+    problems = []
+    if not 0 <= args.headroom < 1:
+        problems.append(f"--headroom must lie in [0, 1), got {args.headroom}")
+    if not 0 < args.efficiency <= 1:
+        problems.append(f"--efficiency must lie in (0, 1], got {args.efficiency}")
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        problems.append(f"--gpus-per-node must be positive, got {args.gpus_per_node}")
+    return problems
+
+
+def run_estimate(args) -> int:
+    from ultratron.planning.memory import check_layout
+    from ultratron.planning.search import SearchSpec, estimate_step
+
+    shape = resolve_shape(args)
+    acc = hardware.get_accelerator(args.gpu)
+    layouts = memory_layouts(args)
+    if len(layouts) > 1:
+        raise UserError("plan estimate takes one layout; `ultratron plan memory` sweeps comma lists")
+    layout = layouts[0]
+    problems = _hardware_problems(args) + check_layout(shape, layout)
+    if layout.precision not in acc.flops:
+        problems.append(f"no {layout.precision} peak for {acc.name}")
+    if problems:
+        raise UserError(problems)
+    gpus = layout.n_gpus
+    spec = SearchSpec(shape, acc, gpus, args.gpus_per_node or min(acc.gpus_per_node, gpus),
+                      layout.dp * layout.mbs * layout.grad_acc * layout.seq, layout.seq, layout.precision,
+                      args.headroom, args.efficiency, activation_model=args.activation_model)
+    est = estimate_step(spec, layout)
+    if args.json:
+        print(json.dumps({"model": vars(shape), "gpu": acc.name, "n_gpus": gpus, "gpus_per_node": spec.gpus_per_node,
+                          "batch_tokens": spec.global_batch_tokens, "usable_bytes": spec.usable_bytes,
+                          "fits": est.memory.peak_bytes <= spec.usable_bytes, "efficiency": spec.efficiency,
+                          "overlap": spec.overlap, **est.as_dict()}, indent=1))
+        return 0
+    print(f"{args.model or 'custom model'} on {gpus} × {acc.name} ({spec.gpus_per_node} per node), "
+          f"{spec.global_batch_tokens:,} tokens per step: {layout.describe()}")
+    print(f"peak {est.memory.peak_bytes / GiB:.2f} GiB per GPU ({spec.usable_bytes / GiB:.1f} usable: "
+          f"{'fits' if est.memory.peak_bytes <= spec.usable_bytes else 'does NOT fit'}); "
+          f"step {est.step_s:.3f} s; {est.tokens_per_s_per_gpu:,.0f} tokens/s/GPU; MFU {est.mfu:.1%} "
+          f"(at an assumed matmul efficiency of {spec.efficiency:.0%})")
+    for reason in est.reasons[1:]:
+        print(f"   - {reason}")
+    return 0
+
 
 def run_search(args) -> int:
     from ultratron.config.layouts import config_toml
@@ -368,10 +379,7 @@ def run_search(args) -> int:
     acc = hardware.get_accelerator(args.gpu)
     problems = [f"--{n.replace('_', '-')} must be positive, got {getattr(args, n)}"
                 for n in ("gpus", "batch_tokens", "seq") if getattr(args, n) <= 0]
-    if not 0 <= args.headroom < 1:
-        problems.append(f"--headroom must lie in [0, 1), got {args.headroom}")
-    if not 0 < args.efficiency <= 1:
-        problems.append(f"--efficiency must lie in (0, 1], got {args.efficiency}")
+    problems += _hardware_problems(args)
     if problems:
         raise UserError(problems)
     spec = SearchSpec(shape, acc, args.gpus, args.gpus_per_node or min(acc.gpus_per_node, args.gpus),
@@ -400,12 +408,12 @@ def run_search(args) -> int:
         if wrote:
             print(f"\nconfig for #1 written to {wrote}")
     if args.chart and result.ranked:
-        labels = [f"#{i + 1}\n" + _wrap(e.layout.describe()) for i, e in enumerate(result.ranked)]
+        labels = [f"#{i + 1}\n" + wrap(e.layout.describe()) for i, e in enumerate(result.ranked)]
         parts = {"compute": "compute_s", "TP": "tp_comm_s", "CP exposed": "cp_exposed_s", "EP all-to-all": "ep_comm_s",
                  "PP p2p": "pp_comm_s",
                  "bubble": "bubble_s", "DP exposed": "dp_exposed_s"}
         series = {name: [getattr(e, attr) for e in result.ranked] for name, attr in parts.items()}
-        _stacked_bars(args.chart, labels, series, "seconds per step",
+        stacked_bars(args.chart, labels, series, "seconds per step",
                       f"{args.model or 'custom'} on {args.gpus} × {acc.name}: step time")
     return 0 if result.best else 1
 

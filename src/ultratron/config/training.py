@@ -22,11 +22,16 @@ from ultratron.config.loader import (
     read_toml,
     set_field,
 )
+from ultratron.config.training_rules import parallel_problems, profile_problems, ramp_problems
 from ultratron.data.mixture_spec import parse_mixture
 from ultratron.errors import ConfigError
 from ultratron.models.presets import PRESETS, ModelShape
 from ultratron.planning.pipeline import BALANCES, SCHEDULES
-from ultratron.planning.rules import layout_problems, pipeline_problems, shape_problems
+from ultratron.planning.rules import (
+    layout_problems,
+    pipeline_problems,
+    shape_problems,
+)
 
 ROPE_SCALINGS = ("none", "linear", "llama3")
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -113,12 +118,20 @@ class TrainingConfig:
     steps: int = option(200, "optimizer steps")
     batch_tokens: int = option(8192, "global batch in tokens; gradient accumulation is derived from it")
     micro_batch_size: int = option(8, "sequences per micro-batch per data-parallel rank")
+    batch_ramp: dict[str, float] = option(
+        factory=dict, help="grow the batch from start=TOKENS to batch_tokens over the first tokens=N (GPT-3: 32k "
+                           "over 4-12B), in whole micro-batches; the run then lasts steps × batch_tokens tokens "
+                           "and the LR schedule follows tokens")
     seq_len: int = option(256, "tokens per sequence")
     precision: str = option("fp32", "bf16: bf16 autocast compute, fp32 master weights", choices=("fp32", "bf16"))
     grad_clip: float = option(1.0, "global-norm clipping; 0 disables (the norm is still logged)")
     z_loss: float = option(0.0, "PaLM z-loss coefficient (1e-4 in Chowdhery et al. 2022); 0 disables")
     seed: int = option(0, "seeds the weights, the data order and sampling")
     recompute: str = option("none", "activation recomputation", choices=("none", "selective", "full"))
+    compile: bool = option(False, "torch.compile each transformer block (after recompute, before FSDP/DDP); "
+                                  "docs/performance.md")
+    profile_steps: str = option("", "profile optimizer steps N..M (e.g. 5..7): a torch.profiler trace, an operator "
+                                    "table and memory views per rank in RUN_DIR/profile/; empty: off")
     device: str = option("auto", "auto picks cuda when available", choices=("auto", "cpu", "cuda"))
     threads: int = option(0, "torch intra-op threads on CPU; 0 keeps torch's default")
     stop_after: int = option(0, "stop (with a checkpoint) after this many steps of this invocation, e.g. to fit "
@@ -313,24 +326,6 @@ def _positive(cfg: Config) -> list[str]:
             if value is not None and value <= 0]
 
 
-def _parallel_problems(par: ParallelConfig) -> list[str]:
-    """Rules of the layout itself (the model's share is in planning.rules.layout_problems)."""
-    p = []
-    if par.dp % par.dp_replicate:
-        p.append(f"parallel.dp_replicate={par.dp_replicate} must divide parallel.dp={par.dp} "
-                 "(HSDP: dp = dp_replicate × dp_shard)")
-    elif par.dp_replicate > 1 and par.zero < 2:
-        p.append(f"parallel.dp_replicate={par.dp_replicate} (HSDP) shards within each replica group, so it needs "
-                 f"parallel.zero 2 or 3, got {par.zero}")
-    if par.dp_replicate > 1 and (par.cp > 1 or par.ep > 1):
-        p.append(f"parallel.dp_replicate={par.dp_replicate} (HSDP) with parallel.cp/ep > 1 is not built: use "
-                 "parallel.dp_replicate 1 (FSDP over all data-parallel ranks) with context or expert parallel")
-    if par.sp and par.tp == 1:
-        p.append("parallel.sp=true needs parallel.tp > 1 (sequence parallel splits the norm regions over the "
-                 "tensor-parallel ranks)")
-    return p
-
-
 def rope_scaling_problems(m: ModelConfig) -> list[str]:
     if m.rope_scaling not in ROPE_SCALING_PARAMS:
         return []  # a choice problem, reported already
@@ -355,7 +350,7 @@ def validate(cfg: Config) -> None:
     p += shape_problems(m) + rope_scaling_problems(m)
     p += layout_problems(m, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, seq=t.seq_len, dp=par.dp,
                          dp_replicate=par.dp_replicate)
-    p += _parallel_problems(par)
+    p += parallel_problems(par)
     if t.seq_len > m.max_seq_len:
         p.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     micro = cfg.tokens_per_micro_batch * par.dp
@@ -363,6 +358,7 @@ def validate(cfg: Config) -> None:
         lower = max(micro, t.batch_tokens // micro * micro)
         p.append(f"training.batch_tokens={t.batch_tokens} is not divisible by micro_batch_size × seq_len × dp = "
                  f"{t.micro_batch_size} × {t.seq_len} × {par.dp} = {micro}; try {lower} or {lower + micro}")
+    p += ramp_problems(cfg, micro, p) + profile_problems(t.profile_steps)
     p += pipeline_problems(m, pp=par.pp, schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
                            split=par.pp_split, micro_batches=None if t.batch_tokens % micro else cfg.grad_accum_steps,
                            micro_batches_from="training.batch_tokens ÷ (micro_batch_size × seq_len × dp)",

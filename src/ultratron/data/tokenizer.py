@@ -1,7 +1,8 @@
 """Byte-level BPE tokenizer, trained with Hugging Face `tokenizers` and saved as tokenizer.json.
 
 Byte-level means every UTF-8 string maps to tokens and back exactly: the base alphabet is the
-256 bytes, so no text is ever unknown.
+256 bytes, so no text is ever unknown. Encoding goes through `tiktoken` where that is proven to
+give the same ids (`data/fast_bpe.py`, checked on first use), else through `tokenizers`.
 
 A tokenizer imported with a Hugging Face model keeps what Hugging Face keeps beside tokenizer.json
 in tokenizer_config.json — its end-of-text token, its BOS token, its chat template — and is saved
@@ -19,6 +20,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from ultratron.data.fast_bpe import FastBPE, fast_encoder
 from ultratron.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
@@ -43,6 +45,15 @@ class Tokenizer:
         if bos_token is not None and hf.token_to_id(bos_token) is None:
             raise DataError(f"tokenizer has no {bos_token!r} token, which its config names as the BOS token")
         self.eos_id, self.eos_token, self.bos_token, self.chat_template = eos, eos_token, bos_token, chat_template
+        self._fast: FastBPE | None = None
+        self.fast_reason: str | None = None  # why the fast encoder is not used; None: not checked yet
+
+    @property
+    def fast(self) -> FastBPE | None:
+        """The tiktoken encoder with this tokenizer's ids, or None (then `fast_reason` says why)."""
+        if self.fast_reason is None:
+            self._fast, self.fast_reason = fast_encoder(self.hf)
+        return self._fast
 
     @property
     def vocab_size(self) -> int:
@@ -52,9 +63,11 @@ class Tokenizer:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Token ids per text, encoded in parallel by the Rust library. `encode_batch_fast`
-        (tokenizers ≥ 0.20) gives the same ids without computing character offsets, which
-        took half the time on byte-level BPE; older versions fall back to `encode_batch`."""
+        """Token ids per text, encoded in parallel: by tiktoken where it gives the same ids (about
+        4× faster here), else by `tokenizers`, whose `encode_batch_fast` (≥ 0.20) skips the
+        character offsets, half the time on byte-level BPE; older versions use `encode_batch`."""
+        if self.fast is not None and (ids := self.fast.encode_batch(texts)) is not None:
+            return ids
         encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)
         return [e.ids for e in encode(texts, add_special_tokens=False)]
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ultratron.errors import ConfigError
+from ultratron.planning.rules import data_parallel_wrapper
 
 T = TypeVar("T")
 
@@ -86,9 +87,10 @@ class ParallelDims:
     def uses_fsdp(self) -> bool:
         """FSDP2 for ZeRO 2/3 and HSDP; also when dp meets tp, since DDP takes no DTensor parameters,
         and for ZeRO-1 under pp or ep (see parallel/data_parallel.py; zero 0 under pp is FSDP2's
-        replicate; ZeroRedundancyOptimizer would broadcast each rank's own experts to the others)."""
-        return self.data_parallel > 1 and (self.zero >= 2 or self.dp_replicate > 1 or self.tp > 1
-                                           or ((self.pp > 1 or self.ep > 1) and self.zero == 1))
+        replicate; ZeroRedundancyOptimizer would broadcast each rank's own experts to the others).
+        Over dp × cp ranks (`data_parallel`)."""
+        return data_parallel_wrapper(self.data_parallel, self.zero, self.tp, self.pp, self.dp_replicate,
+                                     self.ep) == "fsdp"
 
     # ---- ranks ----------------------------------------------------------------------------------
     @property

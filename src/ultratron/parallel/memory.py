@@ -1,7 +1,9 @@
 """Measured bytes this rank holds for parameters, gradients and optimizer state (local shards
-only), and the peak of the activations autograd keeps for backward, to compare with `ultratron
-plan memory` (`ultratron.planning.memory.estimate_memory`). On CPU there are no allocator
-statistics; what the saved-tensor hooks see is what the planner counts as activations."""
+only), the peak of the activations autograd keeps for backward, and every byte the CPU allocator
+hands out in a stretch of a step — to compare with `ultratron plan memory`
+(`ultratron.planning.memory.estimate_memory`). On CPU there are no allocator statistics:
+`AllocatedBytes` reads torch.profiler's memory events instead, which also see what saved-tensor
+hooks cannot (what a selective checkpoint caches, autocast's copies, the logits a step holds)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,93 @@ def measured_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     return {"parameters": sum(_local_bytes(p) for p in params),
             "gradients": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
             "optimizer_states": optimizer_bytes}
+
+
+class AllocatedBytes:
+    """Within `with meter:`, the CPU allocator's allocations and frees in time order (torch.profiler,
+    `profile_memory=True`): `at(name)` — the bytes allocated since the start and still alive at
+    `meter.mark(name)`; `peak` — the most alive at any moment; `end` — alive at the end. Frees of
+    tensors allocated before the start are not seen, so measure a stretch that frees only what it
+    allocated (a micro-batch's forward and backward, with the gradients already allocated)."""
+
+    def __init__(self):
+        self._profile = None
+        self.marks: dict[str, int] = {}
+        self.peak = self.end = 0
+
+    def __enter__(self) -> AllocatedBytes:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    @staticmethod
+    def mark(name: str) -> None:
+        with torch.profiler.record_function(f"ultratron.mark/{name}"):
+            pass
+
+    def __exit__(self, *exc) -> None:
+        self._profile.__exit__(*exc)
+        events = self._profile.profiler.kineto_results.events()
+        memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+        marks = sorted((e.start_ns(), e.name().split("/", 1)[1]) for e in events
+                       if e.name().startswith("ultratron.mark/"))
+        alive = 0
+        for when, nbytes in memory:
+            while marks and marks[0][0] < when:
+                self.marks[marks.pop(0)[1]] = alive
+            alive += nbytes
+            self.peak = max(self.peak, alive)
+        for _, name in marks:
+            self.marks[name] = alive
+        self.end = alive
+
+    def at(self, name: str) -> int:
+        return self.marks[name]
+
+
+class LiveTensors:
+    """Within `with meter:`, every tensor an op creates (a TorchDispatchMode, below DTensor: the local
+    shards); `alive()` — the bytes of those whose storage is still alive, each storage once,
+    leaving out the model's parameters, buffers and gradients. Unlike `AllocatedBytes` it also sees
+    what a collective's own thread allocates (gloo's outputs), but not an op's internal scratch."""
+
+    def __init__(self, model: nn.Module):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        self.model, self._weak = model, StorageWeakRef
+        created: dict[int, tuple] = {}
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(mode, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for tensor in tree_flatten(out)[0]:
+                    tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                    if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().nbytes():
+                        ref = StorageWeakRef(tensor.untyped_storage())
+                        created.setdefault(ref.cdata, (ref, tensor.untyped_storage().nbytes()))
+                return out
+
+        self._created, self._mode = created, _Mode()
+
+    def _model_storages(self) -> set[int]:
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        return {self._weak((t.to_local() if isinstance(t, DTensor) else t).untyped_storage()).cdata for t in tensors}
+
+    def alive(self) -> int:
+        model = self._model_storages()
+        return sum(nbytes for key, (ref, nbytes) in self._created.items() if not ref.expired() and key not in model)
+
+    def __enter__(self) -> LiveTensors:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
 
 
 class _Saved:

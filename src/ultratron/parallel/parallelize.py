@@ -14,6 +14,7 @@ import contextlib
 from torch import nn
 
 from ultratron.models.registry import plan_of
+from ultratron.parallel.compile import apply_compile
 from ultratron.parallel.context_parallel import apply_context_parallel, sharded
 from ultratron.parallel.data_parallel import apply_data_parallel, gradient_sync
 from ultratron.parallel.dims import ParallelDims
@@ -30,8 +31,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
     model = apply_tensor_parallel(model, dims, plan)
     model = apply_expert_parallel(model, dims, plan)
     model = apply_context_parallel(model, dims, plan, cfg.parallel.cp_attention)
-    # (torch.compile plugs in after recomputation)
     model = apply_recompute(model, cfg.training.recompute, plan)
+    model = apply_compile(model, cfg.training.compile, plan)
     roots = build_stages(model, dims, plan) if dims.pp > 1 else None
     return apply_data_parallel(model, dims, cfg.training.precision, plan, roots, ignored=set(expert_params(model)))
 

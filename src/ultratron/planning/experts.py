@@ -1,6 +1,6 @@
 """What a mixture of experts adds to a layout's memory and step time: expert parameters, the
 activations of routed token slots, and the all-to-all of expert parallelism. Torch-free; used by
-`plan memory` (planning.memory) and `plan search` (planning.search).
+`plan memory` (planning.memory, planning.activations) and `plan search` (planning.search).
 
 Parameters: the routed experts of a MoE layer (E·3·h·h_e) are split over ep·tp ranks. Once split
 (ep or tp > 1), data parallelism leaves them alone in ultratron (they are not ZeRO-sharded:
@@ -18,7 +18,9 @@ in place of the dense SwiGLU's 4·p·T·h_ff/t):
   dense one; shared experts 4·p·T·S·h_e/t (the layer's input is the norm's output, counted there).
   Selective recompute keeps the matmul outputs only (p·T·E, 3·p·T·k·h_e/t, p·T·k·h, 3·p·T·S·h_e/t);
   full recompute keeps only the layer input. Dense first layers (DeepSeek-V3) count as dense; a
-  pipeline rank is charged the average layer.
+  pipeline rank is charged the average layer. `planning.activations` puts these in place of the
+  dense SwiGLU's share and, under autocast's per-matmul casts, adds the router's, the slots' and
+  the shared experts' bf16 input copies and the rank's expert weight copies.
 
 All-to-all (ep > 1): each MoE layer sends a rank's k·T slots (p·T·k·h bytes) to their experts' ranks
 and back, in forward twice (dispatch, combine) and again in backward; a fraction (ep−1)/ep leaves
@@ -56,20 +58,6 @@ def moe_mlp_activation_bytes(shape, tokens: float, p: int, t: int, recompute: st
     router = 4 * tokens * experts + 4 * tokens + 16 * slots  # scores, their sum, chosen indices and weights
     indices = 16 * slots + 4 * slots  # token and slot indices, the slots' weights
     return router + indices + 3 * p * slots * shape.dim + 4 * p * slots * he / t + 4 * p * tokens * shared * he / t
-
-
-def dense_mlp_activation_bytes(shape, tokens: float, p: int, t: int, recompute: str) -> float:
-    """The dense SwiGLU's share (what `planning.memory` counts), for the difference a MoE layer makes."""
-    return (3 if recompute == "selective" else 4) * p * tokens * shape.ffn_dim / t
-
-
-def extra_activation_bytes(shape, tokens: float, p: int, t: int, recompute: str) -> float:
-    """What the average layer saves beyond a dense one (0 for a dense model or full recompute)."""
-    if not is_moe(shape) or recompute == "full":
-        return 0.0
-    difference = (moe_mlp_activation_bytes(shape, tokens, p, t, recompute)
-                  - dense_mlp_activation_bytes(shape, tokens, p, t, recompute))
-    return difference * moe_layer_share(shape)
 
 
 def all_to_all_buffer_bytes(shape, tokens: float, p: int, ep: int) -> float:

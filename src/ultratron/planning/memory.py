@@ -1,62 +1,66 @@
-"""Bytes per GPU of a training step for a model shape and a parallel layout.
+"""Bytes per GPU of a training step for a model shape and a parallel layout, as the trainer runs it.
 
-Static terms (per parameter, Ultra-Scale Playbook / Rajbhandari et al. 2020, ZeRO):
-  bf16 mixed precision: bf16 params 2 + bf16 grads 2 + fp32 master 4 + Adam moments 8 = 16 bytes,
-  plus 4 for an fp32 gradient-accumulation buffer (`fp32_grad_accum`); fp32: 4 + 4 + 0 + 8 = 16.
-  (The trainer's autocast flavour of bf16 keeps fp32 params and grads, 4 + 4 + 8 = 16 as well,
-  plus a transient bf16 copy of the weights that autocast caches during forward.)
-  ZeRO-1 shards master + moments, ZeRO-2 also grads, ZeRO-3 also params, over dp·cp ranks (the
-  group FSDP / the distributed optimizer shards over when context parallel is on). TP shards the
-  matrices (norm weights stay whole), PP keeps ceil(L/pp) layers per stage; the first stage adds
-  the embedding, the last the final norm and output head (also the embedding's copy when tied).
+Static terms, per parameter on the rank (Ψ after TP and PP; N = dp·cp ranks that ZeRO shards over),
+following what `parallel/data_parallel.py` does for the layout (`rules.data_parallel_wrapper`):
+  one process, DDP, FSDP2's replicate — fp32 weights (bf16 only as autocast's copies, counted with
+  the activations), fp32 gradients, Adam moments: 4 + 4 + 8 = 16 bytes; ZeRO-1 (DDP with
+  ZeroRedundancyOptimizer) shards the moments 8/N. DDP also keeps its gradient buckets, a second
+  copy of the gradients (4, comm_buffers; torch's `gradient_as_bucket_view` is off by default).
+  FSDP2 (zero 2, zero 3, and zero 0/1 whenever the trainer shards) — sharded fp32 weights 4/N,
+  sharded fp32 gradients 4/N, moments 8/N; ZeRO-2 keeps each weight gathered in the compute
+  dtype (2 in bf16, 4 in fp32) from forward through backward, ZeRO-3 only a block or two at a time
+  (comm_buffers: two blocks gathered, one block's gradients reduce-scattered in fp32).
+  `fp32_grad_accum` prices the Megatron-LM convention instead (its README's table, "bf16 param,
+  fp32 grads": 18 bytes, 6 + 12/d with the distributed optimizer): bf16 weights 2, fp32 main
+  gradients 4 (the bf16 gradient is not kept), fp32 master 4 and moments 8; ZeRO-1 shards master
+  and moments, ZeRO-2 also the gradients, ZeRO-3 also the weights.
+TP shards the matrices (norm weights stay whole); PP keeps the rank's stages' layers, the first
+stage adds the embedding, the last the final norm and output head (its own copy when tied).
 
-Activations (saved for backward, per layer and micro-batch), two estimators:
-  * "textbook" — Korthikanti et al. 2022 (arXiv 2205.05198), bf16, multi-head attention, 4h MLP:
-    s·b·h·(34 + 5·a·s/h); TP without SP s·b·h·(10 + 24/t + 5·a·s/(h·t)); TP + SP s·b·h·(34 + 5·a·s/h)/t;
-    selective recompute drops the 5·a·s/h term, full recompute keeps 2·s·b·h (÷t with SP).
-  * "per-op" — counts what `ultratron.models.llama` actually saves, tensor by tensor (T = tokens of
-    the micro-batch on this rank, p = 2 bytes in bf16 or 4 in fp32, f = ffn_dim, kv = n_kv·head_dim):
-      RMSNorm (×2): fp32 input 4·T·h + fp32 normalised 4·T·h + output p·T·h (saved by the next
-      matmuls) + fp32 rsqrt 4·T (+ an fp32 copy of the weight in bf16);
-      attention: q and k after RoPE, v, and the attention output, p·T·(2h + 2kv) (4·T·(2h + 2kv)
-      with `attention_fp32`); flash attention
-      keeps no s×s scores, only the fp32 log-sum-exp 4·b·a·s; the GQA kv heads are counted at
-      their own width, not repeated to n_heads;
-      SwiGLU: w1·x, w3·x, silu(w1·x) and their product, 4·p·T·f.
-    Selective recompute (ultratron's definition) recomputes the RMSNorms and SwiGLU's silu·mul in
-    backward, so a norm keeps its input and output 2·p·T·h and the MLP 3·p·T·f. Full recompute
-    keeps each layer's input p·T·h and recomputes one layer at a time during backward.
-    TP divides everything between the column- and row-parallel matmuls by t; sequence parallel
-    divides the norm regions too (its gathered input is re-gathered in backward, as in Korthikanti).
-  Both: CP divides tokens by cp; the loss keeps fp32 log-probabilities 4·T·v/t (vocab-parallel)
-  and the int64 targets 8·T.
+Mixture of experts (`planning.experts`): the routed experts split over ep·tp (per-layer parameters
+are the block's minus its routed experts, plus the rank's E/ep experts' share) and, once split (ep or
+tp > 1), left out of ZeRO's and DDP's sharding and buckets as the trainer does — their parameters,
+gradients and moments whole, 16 bytes, as one process holds them; the routed slots' activations in
+place of the dense SwiGLU's (`planning.activations`); the all-to-all's send and receive buffers under
+expert parallelism (in comm_buffers).
 
-Mixture of experts (`planning.experts`): the routed experts split over ep·tp and left out of ZeRO's
-sharding, as the trainer does; the routed slots' activations in place of the dense SwiGLU's (per-op
-model); the all-to-all's send and receive buffers under expert parallelism.
-
-Pipeline parallel: the stages, their layers and their ranks come from `planning.pipeline` — the
-same split and placement the trainer runs. A rank holds the parameters of its stages (the embedding
-with the first, the final norm and a head — its own copy when tied — with the last). Its schedule
-keeps several micro-batches' activations alive at once: the planner walks the order the schedule
-runs (`planning.pipeline.schedule_events`, checked against torch's) and takes the moment the
-rank's activations peak (GPipe: all m; 1F1B: pp − rank; interleaved and zero bubble: their warm-up
-depth; the V schedules about 2·pp stage-chunks). torch's stages also keep a receive buffer per
-micro-batch for the activations (and for their gradients) of each stage that has a neighbour on
-another rank. Every pipeline rank is estimated; the heaviest is reported
+Activations: `planning.activations` (what the trainer's model keeps, tensor by tensor, or the
+textbook's formula). Pipeline parallel: the stages, their layers and their ranks come from
+`planning.pipeline` — the same split and placement the trainer runs. A rank holds the parameters
+of its stages. Its schedule keeps several micro-batches' activations alive at once: the planner
+walks the order the schedule runs (`planning.pipeline.schedule_events`, checked against torch's)
+and takes the moment the rank's activations peak (GPipe: all m; 1F1B: pp − rank; interleaved and
+zero bubble: their warm-up depth; the V schedules about 2·pp stage-chunks). torch's stages also
+keep a receive buffer per micro-batch for the activations (and for their gradients) of each stage
+that has a neighbour on another rank. Every pipeline rank is estimated; the heaviest is reported
 (`estimate_memory_per_rank` gives each).
 
-Peak = static + communication buffers + the larger of (activations + the transient loss logits +
-one recomputed layer) and (the optimizer step's temporaries: torch's foreach AdamW allocates an
-fp32 tensor per parameter shard for sqrt(v)).
+Peak = static + communication buffers + activations + loss + the largest transient: the loss's
+backward, a block's backward (its recomputed activations and the gradients in flight), or the
+optimizer step's temporaries (torch's foreach AdamW — sharded or DTensor parameters — allocates an
+fp32 tensor per parameter for sqrt(v); the fused AdamW the trainer uses otherwise allocates none).
+What torch's allocator does not count is left to the search's headroom: the CUDA context, NCCL's
+own buffers (NCCL_BUFFSIZE, 4 MiB per channel and peer by default) and allocator fragmentation.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ultratron.errors import UserError
-from ultratron.planning.experts import all_to_all_buffer_bytes, extra_activation_bytes, routed_expert_params_per_layer
+from ultratron.planning.activations import (
+    ACTIVATION_MODELS,
+    RECOMPUTE,
+    block_backward_bytes,
+    dtypes_of,
+    first_stage_items,
+    last_stage_items,
+    layer_activation_bytes,
+    layer_matmul_params,
+    loss_backward_bytes,
+    per_op_layer_items,
+)
+from ultratron.planning.experts import all_to_all_buffer_bytes, routed_expert_params_per_layer
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import (
     BALANCES,
@@ -67,13 +71,12 @@ from ultratron.planning.pipeline import (
     stage_split,
     stages_per_rank,
 )
-from ultratron.planning.rules import head_dim_of, layout_problems, pipeline_problems, short_name
+from ultratron.planning.rules import data_parallel_wrapper, head_dim_of, layout_problems, pipeline_problems, short_name
 
 GiB = 1024**3
-RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp32")
-ACTIVATION_MODELS = ("per-op", "textbook")
-DDP_BUCKET_BYTES = 25 * 1024**2  # torch DDP's default bucket_cap_mb
+__all__ = ["ACTIVATION_MODELS", "RECOMPUTE", "PRECISIONS", "GiB", "Layout", "MemoryBreakdown", "check_layout",
+           "estimate_memory", "estimate_memory_per_rank", "layer_activation_bytes"]
 
 
 @dataclass(frozen=True)
@@ -210,64 +213,6 @@ def _head_dim(shape) -> int:
     return head_dim_of(shape)
 
 
-def _tokens(layout: Layout) -> float:
-    return layout.mbs * layout.seq / layout.cp
-
-
-def textbook_layer_activation_bytes(shape, layout: Layout, recompute: str | None = None) -> float:
-    """Korthikanti et al. per-layer bytes (bf16 basis, scaled ×2 for fp32)."""
-    recompute = recompute or layout.recompute
-    s, b, h, a, t = layout.seq / layout.cp, layout.mbs, shape.dim, shape.n_heads, layout.tp
-    sbh = s * b * h
-    scale = layout.compute_bytes / 2
-    if recompute == "full":
-        return scale * 2 * sbh / (t if layout.sp else 1)
-    attention_scores = 0.0 if recompute == "selective" else 5 * a * s / h
-    if t == 1:
-        per = 34 + attention_scores
-    elif layout.sp:
-        per = (34 + attention_scores) / t
-    else:
-        per = 10 + 24 / t + attention_scores / t
-    return scale * sbh * per
-
-
-def _norm_bytes(tokens: float, width: float, p: int, recompute: str) -> float:
-    if recompute == "selective":
-        return 2 * p * tokens * width  # input and output; the fp32 internals are recomputed
-    return (8 + p) * tokens * width + 4 * tokens + (4 * width if p != 4 else 0)
-
-
-def per_op_layer_activation_bytes(shape, layout: Layout, recompute: str | None = None) -> float:
-    """Bytes ultratron's Llama block saves for backward (see the module docstring for the count)."""
-    recompute = recompute or layout.recompute
-    p, t = layout.compute_bytes, layout.tp
-    tokens = _tokens(layout)
-    region = layout.tp if layout.sp else 1  # sequence parallel shards the norm regions
-    h, f = shape.dim, shape.ffn_dim
-    kv = shape.n_kv_heads * _head_dim(shape)
-    if recompute == "full":
-        return p * tokens * h / region
-    norms = 2 * _norm_bytes(tokens / region, h, p, recompute)
-    p_attn = 4 if layout.attention_fp32 else p
-    q = shape.n_heads * _head_dim(shape)  # (= h unless the head width is set apart, as in Qwen3)
-    attention = p_attn * tokens * (2 * q + 2 * kv) / t + 4 * tokens * shape.n_heads / t  # + log-sum-exp
-    if getattr(shape, "qk_norm", False):
-        # q_norm / k_norm run per head on the matmul outputs, which are otherwise not saved.
-        qk = (q + kv) / t
-        attention += p * tokens * qk if recompute == "selective" else 8 * tokens * qk + 4 * tokens * (
-            shape.n_heads + shape.n_kv_heads) / t + (8 * _head_dim(shape) if p != 4 else 0)
-    mlp = (3 if recompute == "selective" else 4) * p * tokens * f / t
-    return norms + attention + mlp + extra_activation_bytes(shape, tokens, p, t, recompute)
-
-
-def layer_activation_bytes(shape, layout: Layout, model: str = "per-op",
-                           recompute: str | None = None) -> float:
-    if model == "textbook":
-        return textbook_layer_activation_bytes(shape, layout, recompute)
-    return per_op_layer_activation_bytes(shape, layout, recompute)
-
-
 @dataclass(frozen=True)
 class PipelineRank:
     """What one pipeline rank runs: its stages, their layers, and whether it holds the ends."""
@@ -299,13 +244,23 @@ def pipeline_ranks(shape, layout: Layout) -> list[PipelineRank]:
     return out
 
 
+def _layer_params(shape, t: int) -> float:
+    """The average block's parameters on a tensor-parallel rank but its routed experts (the norm
+    weights stay whole)."""
+    norms = 2 * shape.dim + (2 * _head_dim(shape) if getattr(shape, "qk_norm", False) else 0)
+    return (count_params_of(shape).mean_layer - routed_expert_params_per_layer(shape) - norms) / t + norms
+
+
+def _split_expert_params(shape, layout: Layout, where: PipelineRank) -> float:
+    """The rank's routed experts' parameters once split over ep·tp (which ZeRO leaves alone)."""
+    split = layout.ep > 1 or layout.tp > 1
+    return sum(where.layers) * routed_expert_params_per_layer(shape) / (layout.ep * layout.tp) if split else 0.0
+
+
 def _rank_params(shape, layout: Layout, where: PipelineRank) -> float:
     counts = count_params_of(shape)
     t = layout.tp
-    norms = 2 * shape.dim + (2 * _head_dim(shape) if getattr(shape, "qk_norm", False) else 0)
-    routed = routed_expert_params_per_layer(shape)  # split over ep as well
-    per_layer = (counts.mean_layer - routed - norms) / t + norms + routed / (layout.ep * t)
-    params = sum(where.layers) * per_layer
+    params = sum(where.layers) * (_layer_params(shape, t) + routed_expert_params_per_layer(shape) / (layout.ep * t))
     if where.first:
         params += counts.embedding / t
     if where.last:
@@ -315,83 +270,118 @@ def _rank_params(shape, layout: Layout, where: PipelineRank) -> float:
     return params
 
 
-def _bytes_per_param(layout: Layout) -> tuple[int, int, int, int, int]:
-    """(param, grad, grad-accumulation buffer, master, optimizer) bytes per parameter."""
-    if layout.precision == "fp32":
-        return 4, 4, 0, 0, 8
-    return 2, 2, (4 if layout.fp32_grad_accum else 0), 4, 8
+@dataclass(frozen=True)
+class _Static:
+    """Bytes of each static term per parameter on the rank, and how the optimizer runs."""
+
+    parameters: float
+    gradients: float
+    grad_accum_buffer: float
+    master_weights: float
+    optimizer_states: float
+    ddp_buckets: bool  # DDP's gradient buckets: a second copy of the gradients
+    gathered_blocks: bool  # ZeRO-3: weights gathered a block at a time
+    fused_adam: bool  # the fused AdamW (no temporaries); else torch's foreach AdamW
+
+
+def wrapper_of(layout: Layout) -> str:
+    return data_parallel_wrapper(layout.shard_group, layout.zero, layout.tp, layout.pp, ep=layout.ep)
+
+
+def _static(layout: Layout) -> _Static:
+    """The static terms of the layout as the trainer runs it (see the module docstring)."""
+    n = layout.shard_group
+    wrapper = wrapper_of(layout)
+    if layout.fp32_grad_accum and layout.precision == "bf16":  # the Megatron-LM convention
+        by = lambda level: n if layout.zero >= level else 1
+        return _Static(2 / by(3), 0.0, 4 / by(2), 4 / by(1), 8 / by(1), False, layout.zero == 3 and n > 1, True)
+    if wrapper == "fsdp":
+        gathered = 0.0 if layout.zero == 3 else dtypes_of(layout).compute  # ZeRO-2: held through backward
+        return _Static(4 / n + gathered, 4 / n, 0.0, 0.0, 8 / n, False, layout.zero == 3, False)
+    sharded = n if wrapper == "ddp" and layout.zero == 1 else 1
+    fused = wrapper in ("none", "ddp") and sharded == 1 and layout.tp == 1
+    return _Static(4.0, 4.0, 0.0, 0.0, 8 / sharded, wrapper == "ddp", False, fused)
+
+
+def _stage_items(shape, layout: Layout, stage: int, layers: int, n_stages: int,
+                 model: str) -> tuple[float, float, float]:
+    """(activations, the loss's share of them, what is freed before the stage's last block runs
+    backward) that one micro-batch leaves alive on a stage."""
+    per_layer = layer_activation_bytes(shape, layout, model)
+    alive, loss, freed = per_layer * layers, 0.0, 0.0
+    if stage == 0:
+        alive += sum(first_stage_items(shape, layout).values())
+    if stage == n_stages - 1:
+        head, loss_items = last_stage_items(shape, layout, model)
+        alive += sum(head.values())
+        loss = sum(loss_items.values())
+        freed = sum(head.values()) + loss_items["log-probabilities"]
+    return alive + loss, loss, freed
 
 
 def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> MemoryBreakdown:
     params = _rank_params(shape, layout, where)
-    # split experts (ep or tp > 1) are left out of ZeRO's sharding, as the trainer does
-    experts = sum(where.layers) * routed_expert_params_per_layer(shape) / (layout.ep * layout.tp) if (
-        layout.ep > 1 or layout.tp > 1) else 0.0
-    b_param, b_grad, b_accum, b_master, b_optim = _bytes_per_param(layout)
-    n = layout.shard_group
-    shard = lambda level: n if layout.zero >= level else 1
-    states = lambda per_param, level: (params - experts) * per_param / shard(level) + experts * per_param
+    st = _static(layout)
+    # split experts (ep or tp > 1) are left out of ZeRO's sharding and DDP's buckets, as the trainer does:
+    # they keep what one process keeps
+    experts = _split_expert_params(shape, layout, where)
+    se = _static(replace(layout, dp=1, cp=1)) if experts else st
+    sharded = params - experts
+    term = lambda name: sharded * getattr(st, name) + experts * getattr(se, name)
     p = layout.compute_bytes
-    tokens = _tokens(layout)
+    tokens = layout.mbs * layout.seq / layout.cp
     t = layout.tp
     h = shape.dim
     kv = shape.n_kv_heads * _head_dim(shape)
 
-    per_layer = layer_activation_bytes(shape, layout, model)
     n_stages = layout.pp * layout.stages_per_rank
-    # Bytes one micro-batch leaves alive on each of the rank's stages, and the loss's share of them.
-    per_stage, loss_share = [], []
+    per_stage, loss_share, freed = [], [], []
     for stage, layers in zip(where.stages, where.layers, strict=True):
-        alive, loss = per_layer * layers, 0.0
-        if stage == 0:
-            alive += 8 * tokens  # int64 token ids kept by the embedding backward
-        if stage == n_stages - 1:
-            region_tokens = tokens / (t if layout.sp else 1)
-            if model == "per-op":  # the final norm is never inside a recomputed block
-                mode = "selective" if layout.recompute == "selective" else "none"
-                alive += _norm_bytes(region_tokens, h, p, mode)
-            else:
-                alive += 2 * p * region_tokens * h  # its input and output
-            loss = 4 * tokens * shape.vocab_size / t + 8 * tokens  # log-probs and int64 targets
-        per_stage.append(alive + loss)
+        alive, loss, gone = _stage_items(shape, layout, stage, layers, n_stages, model)
+        per_stage.append(alive)
         loss_share.append(loss)
+        freed.append(gone)
     in_flight = peak_in_flight(layout.pp_schedule, layout.pp, layout.virtual_stages, layout.grad_acc, where.rank,
                                per_stage)
     loss_logits = sum(k * loss for k, loss in zip(in_flight, loss_share, strict=True))
     activations = sum(k * b for k, b in zip(in_flight, per_stage, strict=True)) - loss_logits
-    transient = (p + 4) * tokens * shape.vocab_size / t if where.last else 0.0  # logits + fp32 copy at the loss
-    if layout.recompute == "full":
-        transient += layer_activation_bytes(shape, layout, model, recompute="none")
+    # Backward's transients on top of forward's leftovers: the loss's gradients on the last stage,
+    # then a block's backward (the last stage has freed its head and log-probabilities by then).
+    transient = block_backward_bytes(shape, layout, model) - max(freed)
+    if where.last:
+        transient = max(transient, loss_backward_bytes(shape, layout))
 
     comm = 0.0
-    if n > 1 and layout.zero < 3:
-        comm += 2 * DDP_BUCKET_BYTES
-    if n > 1 and layout.zero == 3:
-        layer_params = (count_params_of(shape).mean_layer - routed_expert_params_per_layer(shape)) / t
-        comm += 2 * layer_params * b_param + layer_params * 4  # two layers gathered, one reduce-scattered
-    if t > 1:
-        comm += 2 * p * tokens * h
+    if st.ddp_buckets:
+        comm += sharded * 4
+    if st.gathered_blocks:
+        # a block's sharded parameters: its routed experts too while they are not split
+        layer_params = _layer_params(shape, t) + (0.0 if experts else routed_expert_params_per_layer(shape))
+        comm += 2 * layer_params * p + layer_params * 4  # two blocks gathered, one block's fp32 gradients reduced
+        # the root (embedding, final norm, head) stays gathered through the step (parallel/data_parallel.py)
+        comm += p * (sharded - sum(where.layers) * layer_params)
     if layout.pp > 1:  # torch's stages keep a receive buffer per micro-batch and neighbour on another rank
         ranks = stage_ranks(layout.pp_schedule, layout.pp, layout.virtual_stages)
         remote = sum((s > 0 and ranks[s - 1] != where.rank) + (s < n_stages - 1 and ranks[s + 1] != where.rank)
                      for s in where.stages)
-        comm += remote * layout.grad_acc * p * tokens * h / (t if layout.sp else 1)
+        comm += remote * layout.grad_acc * dtypes_of(layout).residual * tokens * h / (t if layout.sp else 1)
     if layout.cp > 1:
         comm += 2 * p * tokens * 2 * kv / t
     all_to_all = all_to_all_buffer_bytes(shape, tokens, p, layout.ep)
     comm += all_to_all
-    optimizer_temporaries = states(4, 1)
+    optimizer_temporaries = 0.0 if st.fused_adam else 4 * term("optimizer_states") / 8
     working = activations + loss_logits + transient
     if optimizer_temporaries > working:
         # The optimizer step runs after backward freed the activations: it sets the peak instead.
         transient = optimizer_temporaries - activations - loss_logits
 
+    per_op = model == "per-op"
     return MemoryBreakdown(
-        parameters=states(b_param, 3),
-        gradients=states(b_grad, 2),
-        grad_accum_buffer=states(b_accum, 2),
-        master_weights=states(b_master, 1),
-        optimizer_states=states(b_optim, 1),
+        parameters=term("parameters"),
+        gradients=term("gradients"),
+        grad_accum_buffer=term("grad_accum_buffer"),
+        master_weights=term("master_weights"),
+        optimizer_states=term("optimizer_states"),
         activations=activations,
         loss_logits=loss_logits,
         comm_buffers=comm,
@@ -399,8 +389,11 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
         stage=where.name,
         extra={"params_on_gpu": params, "pp_rank": where.rank, "stages": where.stages,
                "layers_on_stage": sum(where.layers), "layers_per_stage": where.layers,
-               "per_layer_activation_bytes": per_layer, "in_flight_micro_batches": in_flight,
-               "activation_model": model, "expert_params_on_gpu": experts, "all_to_all_bytes": all_to_all},
+               "per_layer_activation_bytes": layer_activation_bytes(shape, layout, model),
+               "per_layer_activation_items": per_op_layer_items(shape, layout) if per_op else {},
+               "in_flight_micro_batches": in_flight, "activation_model": model,
+               "data_parallel": wrapper_of(layout), "matmul_params_per_layer": layer_matmul_params(shape, t),
+               "expert_params_on_gpu": experts, "all_to_all_bytes": all_to_all},
     )
 
 

@@ -15,6 +15,13 @@ from ultratron.planning.pipeline import LOOPED, SINGLE, SPLIT_BACKWARD, V_SHAPED
 
 Namer = Callable[[str], str]
 
+# The parallel axes the trainer runs today (`ultratron.parallel`), in mesh order. Config validation
+# refuses a degree above 1 on any other axis, and `plan search` proposes layouts on these axes
+# only; an axis joins this tuple when its code lands, and both follow.
+TRAINER_AXES = ("dp", "tp", "pp", "cp", "ep")
+ALL_AXES = ("dp", "tp", "pp", "cp", "ep")
+AXIS_NAMES = {"dp": "data", "tp": "tensor", "pp": "pipeline", "cp": "context", "ep": "expert"}
+
 
 def config_name(field: str) -> str:
     """`parallel.tp` → `parallel.tp` (the trainer's config names)."""
@@ -40,6 +47,28 @@ def head_dim_of(shape) -> int:
 def expert_ffn_dim_of(shape) -> int:
     """Each expert's SwiGLU width: an explicit `expert_ffn_dim`, else ffn_dim."""
     return field_of(shape, "expert_ffn_dim") or shape.ffn_dim
+
+
+def unsupported_axis_problems(degrees: dict[str, int], name: Namer = config_name) -> list[str]:
+    """A degree above 1 on an axis the trainer does not run (`TRAINER_AXES`), one line each."""
+    words = [AXIS_NAMES[axis] for axis in TRAINER_AXES]
+    runs = ", ".join(words[:-1]) + " and " + words[-1] if len(words) > 1 else words[0]
+    return [f"{name('parallel.' + axis)}={degree}: this build trains with {runs} parallelism only; "
+            f"set {name('parallel.' + axis)}=1" for axis, degree in degrees.items()
+            if axis not in TRAINER_AXES and degree > 1]
+
+
+def data_parallel_wrapper(dp: int, zero: int, tp: int = 1, pp: int = 1, dp_replicate: int = 1, ep: int = 1) -> str:
+    """How the trainer runs data parallelism for a layout (`parallel/data_parallel.py`), `dp` the ranks
+    it spans (dp·cp under context parallel): "none" (1 rank), "ddp" (zero 0, and zero 1 with
+    ZeroRedundancyOptimizer), "fsdp" (FSDP2 `fully_shard`: zero 2 and 3, HSDP, zero 0/1 when dp meets
+    tp since DDP takes no DTensor parameters, zero 1 under pp or ep — ZeroRedundancyOptimizer would
+    broadcast each rank's own experts to the others) or "replicate" (FSDP2's `replicate`: zero 0 under pp)."""
+    if dp == 1:
+        return "none"
+    if zero >= 2 or dp_replicate > 1 or tp > 1 or ((pp > 1 or ep > 1) and zero == 1):
+        return "fsdp"
+    return "replicate" if pp > 1 else "ddp"
 
 
 def shape_problems(shape, name: Namer = config_name) -> list[str]:

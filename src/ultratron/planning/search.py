@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ultratron.errors import UserError
+from ultratron.planning import rules
 from ultratron.planning.experts import all_to_all_seconds, is_moe
 from ultratron.planning.flops import training_flops_per_token
 from ultratron.planning.hardware import Accelerator
@@ -94,15 +95,21 @@ class Estimate:
     reasons: list[str] = field(default_factory=list)
     ep_comm_s: float = 0.0
 
+    TIME_TERMS = ("compute_s", "tp_comm_s", "cp_exposed_s", "ep_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s",
+                  "dp_exposed_s")
+
     def as_dict(self) -> dict:
+        """What `plan estimate --json` prints for a layout (and `plan search --json` for each it ranks):
+        the peak, the step time, tokens/s/GPU and MFU, and the terms behind them."""
         return {
-            "layout": self.layout.__dict__, "describe": self.layout.describe(),
-            "peak_bytes": self.memory.peak_bytes, "memory": self.memory.as_dict(),
-            "compute_s": self.compute_s, "tp_comm_s": self.tp_comm_s, "cp_exposed_s": self.cp_exposed_s,
-            "pp_comm_s": self.pp_comm_s, "ep_comm_s": self.ep_comm_s, "bubble_s": self.bubble_s,
-            "dp_comm_s": self.dp_comm_s,
-            "dp_exposed_s": self.dp_exposed_s, "step_s": self.step_s,
-            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu, "reasons": self.reasons,
+            "layout": dict(self.layout.__dict__), "describe": self.layout.describe(),
+            "peak_bytes": self.memory.peak_bytes, "step_seconds": self.step_s,
+            "tokens_per_sec_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
+            "memory": self.memory.as_dict(),
+            # step_seconds = compute + TP + CP exposed + EP all-to-all + PP p2p + bubble + DP exposed
+            # (dp_comm_s: before overlap)
+            "time": {term: getattr(self, term) for term in self.TIME_TERMS},
+            "reasons": self.reasons,
         }
 
 
@@ -141,26 +148,31 @@ def _size_factor(size: float) -> float:
     return size / (size + MATMUL_HALF_SIZE)
 
 
+def _trainer_runs(axis: str, degrees: list[int]) -> list[int]:
+    """The degrees to try on an axis: only 1 where the trainer does not run it (rules.TRAINER_AXES)."""
+    return degrees if axis in rules.TRAINER_AXES else [1]
+
+
 def enumerate_layouts(spec: SearchSpec):
     """Every layout the search considers (valid shapes; memory not yet checked)."""
     shape = spec.shape
     n, node = spec.n_gpus, spec.gpus_per_node
     sequences = spec.global_batch_tokens // spec.seq
-    for tp in _powers_of_two(node):
+    for tp in _trainer_runs("tp", _powers_of_two(node)):
         if n % tp or layout_problems(shape, tp=tp):
             continue
-        for cp in _powers_of_two(spec.max_cp):
+        for cp in _trainer_runs("cp", _powers_of_two(spec.max_cp)):
             if (n // tp) % cp or spec.seq % cp:
                 continue
-            for pp in _divisors(n // (tp * cp)):
+            for pp in _trainer_runs("pp", _divisors(n // (tp * cp))):
                 if pp > shape.n_layers:
                     continue
                 dp = n // (tp * cp * pp)
                 if sequences % dp or layout_problems(shape, tp=tp, pp=pp, cp=cp, seq=spec.seq, dp=dp):
                     continue
                 # expert parallel for a mixture of experts: ep of the dp ranks, dividing the experts
-                eps = [ep for ep in _powers_of_two(dp) if not layout_problems(shape, ep=ep, dp=dp)] if is_moe(
-                    shape) else [1]
+                eps = _trainer_runs("ep", [ep for ep in _powers_of_two(dp) if not layout_problems(shape, ep=ep, dp=dp)]
+                                    if is_moe(shape) else [1])
                 per_rank = sequences // dp
                 # every schedule the trainer runs; the looped ones with 2 or 4 stages per rank
                 schedules = [("1f1b", 0)] if pp == 1 else [(s, v) for s in SCHEDULES for v in (
@@ -181,7 +193,8 @@ def enumerate_layouts(spec: SearchSpec):
 
 
 def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | None = None) -> Estimate:
-    """Step time, tokens/s/GPU and MFU of one layout under the cost model in the module docstring."""
+    """Peak memory, step time, tokens/s/GPU and MFU of one layout under the cost model in the module
+    docstring: the one function `plan estimate` prints and `plan search` ranks by."""
     shape, acc = spec.shape, spec.accelerator
     memory = memory or estimate_memory(shape, layout, spec.activation_model)
     counts = count_params_of(shape)

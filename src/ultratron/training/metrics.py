@@ -189,3 +189,27 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
     tmp = run_dir / f"metrics.jsonl.tmp-{os.getpid()}"  # ranks of one run may trim at once
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     os.replace(tmp, run_dir / "metrics.jsonl")
+
+
+MEMORY_DIR = "memory"
+
+
+def write_memory_peak(run_dir: Path, rank: int, device) -> None:
+    """This rank's peak memory over the run, in RUN/memory/rank<r>.json (read by `ultratron bench
+    sweep`): torch's allocator peaks on a GPU (`max_memory_allocated`, what `plan memory` predicts,
+    and `max_memory_reserved`), and the process's peak resident set on any device (on a CPU the
+    only figure there is; it also holds Python, torch and the allocator's caches)."""
+    import resource
+
+    import torch
+
+    record = {"rank": rank, "device": str(device),
+              "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+    if getattr(device, "type", "") == "cuda":
+        record |= {"peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+                   "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+    path = Path(run_dir) / MEMORY_DIR / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)

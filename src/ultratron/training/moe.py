@@ -27,6 +27,10 @@ class RouterStats:
         """`loss_weight`: one micro-batch's weight in the step's gradient (the step strategy's)."""
         self.routers = [m for m in model.modules() if isinstance(m, Router)]
         self.dims = dims
+        self.before_step(loss_weight)
+
+    def before_step(self, loss_weight: float) -> None:
+        """One micro-batch's weight in this step's gradient (a batch ramp varies the micro-batches)."""
         for router in self.routers:
             router.aux_loss_scale = loss_weight
 

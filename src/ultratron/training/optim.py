@@ -32,8 +32,9 @@ def _can_fuse(params: list[torch.Tensor]) -> bool:
     return all(p.device.type in ("cpu", "cuda") and not isinstance(p, DTensor) for p in params)
 
 
-def lr_at(step: int, total_steps: int, optim_cfg) -> float:
-    """Learning rate for optimizer step `step` (0-based).
+def lr_at(step: float, total_steps: int, optim_cfg) -> float:
+    """Learning rate for optimizer step `step` (0-based; fractional under a batch ramp, where it is
+    the tokens seen ÷ training.batch_tokens, so the schedule follows tokens).
 
     warmup: linear from lr/warmup to lr over `warmup_steps`; then
     cosine: half a cosine from lr down to lr·min_lr_ratio at the last step;

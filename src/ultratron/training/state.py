@@ -26,17 +26,23 @@ def set_rng_state(state: dict) -> None:
 
 
 class TrainState(Stateful):
-    """The step counter and the loader's position; the RNGs are captured when saved."""
+    """The step counter, the tokens trained on (which a batch ramp follows) and the loader's
+    position; the RNGs are captured when saved."""
 
     def __init__(self, loader, config: dict | None = None):
         self.step = 0
+        self.tokens = 0
         self.loader = loader
         self.config = config or {}
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "loader": self.loader.state_dict(), "rng": rng_state(), "config": self.config}
+        return {"step": self.step, "tokens": self.tokens, "loader": self.loader.state_dict(), "rng": rng_state(),
+                "config": self.config}
 
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])
+        # (checkpoints from before the ramp hold no tokens: they trained at a fixed batch)
+        fixed = self.step * int(self.config.get("training", {}).get("batch_tokens", 0))
+        self.tokens = int(state.get("tokens", fixed))

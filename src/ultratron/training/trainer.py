@@ -28,12 +28,15 @@ from ultratron.parallel.grads import clip_grad_norm, tied_copies
 from ultratron.parallel.parallelize import parallelize
 from ultratron.planning.flops import training_flops_per_token
 from ultratron.planning.params import count_params_of
+from ultratron.training.batch_ramp import BatchSchedule
 from ultratron.training.checkpointing import CheckpointPolicy, with_init_tokenizer
 from ultratron.training.health import HealthMonitor
+from ultratron.training.metrics import write_memory_peak
 from ultratron.training.mfu import MfuMeter
 from ultratron.training.moe import RouterStats
 from ultratron.training.optim import build_optimizer, lr_at, set_lr
 from ultratron.training.periodic_eval import PeriodicEvaluator
+from ultratron.training.profiling import StepProfiler
 from ultratron.training.progress import Reporter
 from ultratron.training.stability import StabilityGuard
 from ultratron.training.state import TrainState
@@ -88,6 +91,7 @@ class Trainer:
 
         self.model = parallelize(build_model(cfg.model, self.device), self.dims, cfg)
         self.optimizer = wrap_optimizer(build_optimizer(self.model, cfg.optim), self.dims)
+        self.batch = BatchSchedule.from_config(cfg)  # tokens per step: fixed, or a ramp
         self.strategy = step_strategy(self.model, self.dims, self.device, t.precision, t.z_loss)
         self.routers = RouterStats(self.model, self.dims, self.strategy.loss_weight(cfg.grad_accum_steps))
         self.state = TrainState(self.train_loader, to_dict(cfg))
@@ -104,6 +108,7 @@ class Trainer:
                                                         n_layers=cfg.model.n_layers, seq_len=t.seq_len)
         self.mfu = MfuMeter(self.device, t.precision, self.flops_per_token, self.dims.world_size, self.log)
         self.periodic = PeriodicEvaluator(cfg, self.run_dir, self.log, enabled=not self.dims.distributed)
+        self.profiler = StepProfiler(t.profile_steps, self.run_dir, self.dims.rank, self.device, self.log)
         if self.dims.is_main:
             (self.run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
 
@@ -122,7 +127,8 @@ class Trainer:
         self.dims.barrier()  # every rank has resumed (and trimmed metrics) before rank 0 logs
         self._describe()
         first_val = val = self._validate(record_alone=True) if self.step == 0 else None
-        stop_at = t.steps if t.stop_after <= 0 else min(t.steps, self.step + t.stop_after)
+        total = self.total_steps()
+        stop_at = total if t.stop_after <= 0 else min(total, self.step + t.stop_after)
         losses, sample = [], None
         self.log.start(self.step, stop_at)
         try:
@@ -130,7 +136,7 @@ class Trainer:
                 if self.guard.after_step(record := self.train_step()):
                     continue  # rolled back to an earlier checkpoint, past the data that caused a spike
                 losses.append(record["loss"])
-                if self.validator.due(self.step, at_end=self.step == t.steps) and (new := self._validate()) is not None:
+                if self.validator.due(self.step, at_end=self.step == total) and (new := self._validate()) is not None:
                     val = record["val_loss"] = new
                 self.log.step(record)
                 ckpt = self.checkpoints.after_step(self.step, stop_at)
@@ -140,20 +146,33 @@ class Trainer:
             for result in self.periodic.finish(self.cfg.eval.final_wait, self.step, self.model, self.files(),
                                                self.checkpoints.last):
                 self.log.record(result)
-            sample = self.sample() if self.step == t.steps and t.sample_tokens > 0 else None
+            sample = self.sample() if self.step == total and t.sample_tokens > 0 else None
         finally:
+            write_memory_peak(self.run_dir, self.dims.rank, self.device)
             self.checkpoints.close()
             self.periodic.close()
             self.log.close()
         return TrainResult(self.run_dir, self.step, losses[0] if losses else None, losses[-1] if losses else None,
                            first_val, val, sample, self.checkpoints.last, self.mfu.source)
 
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run: training.steps, or under a batch ramp as many as reach
+        training.steps × batch_tokens tokens (from where the run stands)."""
+        t = self.cfg.training
+        return self.step + self.batch.steps_to(self.state.tokens, t.steps * t.batch_tokens) if self.batch.ramped \
+            else t.steps
+
     def train_step(self) -> dict:
         """One optimizer step: forward/backward of the batch → global-norm clip → AdamW → a record."""
+        self.profiler.before(self.step + 1)
         cfg, start = self.cfg, time.perf_counter()
-        lr = lr_at(self.step, cfg.training.steps, cfg.optim)
+        seen, tokens = self.state.tokens, self.batch.tokens_at(self.state.tokens)
+        # under a ramp the schedule follows tokens: the same LR at the same tokens, whatever the ramp
+        lr = lr_at(seen / cfg.training.batch_tokens if self.batch.ramped else self.step, cfg.training.steps, cfg.optim)
         set_lr(self.optimizer, lr)
-        loss = self.strategy.forward_backward(self.train_loader.next_batch, cfg.grad_accum_steps)
+        n_micro_batches = tokens // self.batch.unit  # this step's, which a batch ramp varies
+        self.routers.before_step(self.strategy.loss_weight(n_micro_batches))
+        loss = self.strategy.forward_backward(self.train_loader.next_batch, n_micro_batches)
         max_norm = cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf
         grad_norm = float(clip_grad_norm(self.model.parameters(), max_norm, self.dims.pp_group,
                                          uncounted=tied_copies(self.model)))
@@ -162,14 +181,16 @@ class Trainer:
             self.checkpoints.before_update()  # an asynchronous save may still be copying the weights
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        moe = self.routers.after_step(cfg.grad_accum_steps)
+        moe = self.routers.after_step(n_micro_batches)
         self.state.step += 1
+        self.state.tokens += tokens
         elapsed = time.perf_counter() - start
-        tokens_per_sec = cfg.training.batch_tokens / elapsed
+        self.profiler.after(self.step)
+        tokens_per_sec = tokens / elapsed
         return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                "tokens": self.step * cfg.training.batch_tokens, "tokens_per_sec": tokens_per_sec,
+                "tokens": self.state.tokens, "tokens_per_sec": tokens_per_sec,
                 "step_time": elapsed, "mfu": self.mfu(tokens_per_sec), **self.train_loader.metrics(), **moe} | (
-                    {"skipped": 1} if skipped else {})
+                    {"skipped": 1} if skipped else {}) | ({"batch_tokens": tokens} if self.batch.ramped else {})
 
     def _validate(self, record_alone: bool = False) -> float | None:
         """The validation loss, logged (at step 0 also written as a metrics record of its own)."""
@@ -188,6 +209,10 @@ class Trainer:
                  f"batch {t.batch_tokens:,} tokens = {cfg.grad_accum_steps} × {t.micro_batch_size} × {t.seq_len}{dp}; "
                  f"device {self.device}; precision {t.precision}")
         self.log(f"mfu: peak {self.mfu.peak / 1e12:.3g} TFLOP/s ({self.mfu.source})")
+        if self.batch.ramped:
+            self.log(f"batch ramp: {self.batch.start:,} → {t.batch_tokens:,} tokens a step over the first "
+                     f"{self.batch.ramp_tokens:,} tokens; {self.total_steps():,} steps reach {t.steps} × "
+                     f"{t.batch_tokens:,} tokens; the LR schedule follows tokens")
         if self.dims.restart_count:  # torchrun restarted the whole group after a failure
             self.log(f"launch: restart {self.dims.restart_count} of this job; resumed at step {self.step}")
             self.log.record({"step": self.step, "restarts": self.dims.restart_count})

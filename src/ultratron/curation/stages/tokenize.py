@@ -9,6 +9,7 @@ after a crash encodes with the same tokenizer.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def run(ctx: StageContext) -> dict:
     t = ctx.cfg.tokenize
     parts = ctx.parts()
     path = ctx.out_dir / TOKENIZER_FILE
+    train_cpu = _cpu_seconds()
     if not path.is_file():
         if t.tokenizer:
             tokenizer = Tokenizer.load(t.tokenizer)
@@ -70,6 +72,7 @@ def run(ctx: StageContext) -> dict:
                 raise DataError(f"{ctx.input}: no documents left to train a tokenizer on")
             tokenizer = train_tokenizer(_texts(parts, t.train_bytes), t.vocab_size)
         tokenizer.save(path)
+    train_cpu = _cpu_seconds() - train_cpu  # a fixed cost, bounded by tokenize.train_bytes
     tokenizer = Tokenizer.load(path)
     sample = [text for _, text in zip(range(AUDIT_SAMPLE_DOCS), _texts(parts, AUDIT_SAMPLE_BYTES), strict=False)]
     audit = audit_tokenizer(tokenizer, sample, t.poor_compression_ratio)
@@ -77,4 +80,10 @@ def run(ctx: StageContext) -> dict:
     ctx.map_parts(make_batch_fn, {p.stem: str(path) for p in parts}, batched=True)
     return {"tokenizer": str(path), "tokenizer_sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
             "audit_warnings": audit["warnings"], "audit_round_trip": audit["all_round_trip"],
-            "audit_unknown_tokens": audit["unknown_tokens"]}
+            "audit_unknown_tokens": audit["unknown_tokens"], "train_cpu_seconds": train_cpu,
+            "encoder": "tiktoken" if tokenizer.fast is not None else f"tokenizers ({tokenizer.fast_reason})"}
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system

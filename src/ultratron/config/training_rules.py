@@ -1,0 +1,75 @@
+"""Rules of the parallel layout itself (`parallel_problems`; the model's share is in
+planning.rules.layout_problems) and of two training fields: `training.batch_ramp` (the ramp itself:
+`training/batch_ramp.py`) and `training.profile_steps` (`training/profiling.py`). Torch-free."""
+
+from __future__ import annotations
+
+from ultratron.planning.rules import ALL_AXES, pipeline_problems, unsupported_axis_problems
+
+
+def parallel_problems(par) -> list[str]:
+    """Rules of the layout itself (the model's share is in planning.rules.layout_problems)."""
+    p = []
+    if par.dp % par.dp_replicate:
+        p.append(f"parallel.dp_replicate={par.dp_replicate} must divide parallel.dp={par.dp} "
+                 "(HSDP: dp = dp_replicate × dp_shard)")
+    elif par.dp_replicate > 1 and par.zero < 2:
+        p.append(f"parallel.dp_replicate={par.dp_replicate} (HSDP) shards within each replica group, so it needs "
+                 f"parallel.zero 2 or 3, got {par.zero}")
+    if par.dp_replicate > 1 and (par.cp > 1 or par.ep > 1):
+        p.append(f"parallel.dp_replicate={par.dp_replicate} (HSDP) with parallel.cp/ep > 1 is not built: use "
+                 "parallel.dp_replicate 1 (FSDP over all data-parallel ranks) with context or expert parallel")
+    if par.sp and par.tp == 1:
+        p.append("parallel.sp=true needs parallel.tp > 1 (sequence parallel splits the norm regions over the "
+                 "tensor-parallel ranks)")
+    return p + unsupported_axis_problems({axis: getattr(par, axis) for axis in ALL_AXES})
+
+
+def ramp_problems(cfg, micro: int, reported: list[str]) -> list[str]:
+    """training.batch_ramp: a start of whole micro-batches (under pp: a multiple of pp of them, so
+    every step of the ramp keeps the pipeline full), below the full batch. `reported`: the
+    problems found so far (the pipeline's own are not repeated)."""
+    t, par, ramp = cfg.training, cfg.parallel, cfg.training.batch_ramp
+    if not ramp:
+        return []
+    if sorted(ramp) != ["start", "tokens"]:
+        return [f"training.batch_ramp takes start and tokens (e.g. start=32768,tokens=4e9), got {', '.join(ramp)}"]
+    start, over = ramp["start"], ramp["tokens"]
+    if over <= 0 or not over.is_integer():
+        return [f"training.batch_ramp.tokens must be a positive whole number, got {over:g}"]
+    unit = micro * max(1, par.pp)
+    what = (f"micro_batch_size × seq_len × dp × pp = {t.micro_batch_size} × {t.seq_len} × {par.dp} × {par.pp}"
+            if par.pp > 1 else f"micro_batch_size × seq_len × dp = {t.micro_batch_size} × {t.seq_len} × {par.dp}")
+    if not start.is_integer() or start < unit or start % unit:
+        lower = max(unit, int(start) // unit * unit)
+        return [f"training.batch_ramp.start={start:g} must be a positive multiple of {what} = {unit} (whole "
+                f"micro-batches{', pp of them at a time' if par.pp > 1 else ''}); try {lower} or {lower + unit}"]
+    if start >= t.batch_tokens:
+        return [f"training.batch_ramp.start={start:g} must be below training.batch_tokens={t.batch_tokens}"]
+    if par.pp == 1:
+        return []
+    first = pipeline_problems(cfg.model, pp=par.pp, schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
+                              split=par.pp_split, micro_batches=int(start) // micro,
+                              micro_batches_from="the first step of training.batch_ramp")
+    return [line for line in first if line not in reported]  # (the layout's own problems are reported once)
+
+
+def parse_steps(text: str) -> tuple[int, int] | None:
+    """training.profile_steps: "N..M" → (N, M); "" → None. Raises ValueError with the reason."""
+    if not text:
+        return None
+    first, sep, last = text.partition("..")
+    if not sep or not first.strip().isdigit() or not last.strip().isdigit():
+        raise ValueError(f"training.profile_steps: expected N..M (e.g. 5..7), got {text!r}")
+    n, m = int(first), int(last)
+    if not 1 <= n <= m:
+        raise ValueError(f"training.profile_steps: needs 1 ≤ N ≤ M, got {text!r}")
+    return n, m
+
+
+def profile_problems(text: str) -> list[str]:
+    try:
+        parse_steps(text)
+    except ValueError as err:
+        return [str(err)]
+    return []

@@ -1,0 +1,70 @@
+"""`ultratron plan estimate`: one explicit layout → peak memory, step time, tokens/s/GPU, MFU and the
+terms behind them; `plan search` ranks layouts with the same function (`search.estimate_step`)."""
+
+import json
+
+import pytest
+
+from ultratron.cli import main
+from ultratron.models.presets import PRESETS
+from ultratron.planning.flops import training_flops_per_token
+from ultratron.planning.memory import MemoryBreakdown
+from ultratron.planning.params import count_params_of
+
+H100_BF16 = 989.4e12
+
+
+def plan(capsys, *argv):
+    code = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def estimate_json(capsys, *flags) -> dict:
+    code, out, err = plan(capsys, "estimate", "--model", "llama3-8b", *flags, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_estimate_json_has_the_numbers_and_their_terms(capsys):
+    data = estimate_json(capsys, "--dp", "8", "--zero", "2", "--seq", "8192", "--grad-acc", "16",
+                         "--recompute", "selective", "--gpu", "h100-sxm", "--gpus-per-node", "8")
+    assert data["n_gpus"] == 8 and data["batch_tokens"] == 8 * 16 * 8192 and data["gpu"] == "H100 SXM"
+    memory, time = data["memory"], data["time"]
+    assert data["peak_bytes"] == pytest.approx(sum(memory[t] for t in MemoryBreakdown.TERMS))
+    assert data["step_seconds"] == pytest.approx(sum(time[t] for t in ("compute_s", "tp_comm_s", "cp_exposed_s",
+                                                                         "pp_comm_s", "bubble_s", "dp_exposed_s")))
+    assert data["tokens_per_sec_per_gpu"] == pytest.approx(data["batch_tokens"] / data["step_seconds"] / 8)
+    shape = PRESETS["llama3-8b"]
+    flops = training_flops_per_token(count_params_of(shape), vocab_size=shape.vocab_size, dim=shape.dim,
+                                     n_layers=shape.n_layers, seq_len=8192)
+    assert data["mfu"] == pytest.approx(data["tokens_per_sec_per_gpu"] * flops / H100_BF16)
+    # compute by hand: global tokens × FLOPs/token × 1.02 (selective recompute) over 8 GPUs at the peak
+    # times the efficiency, which shrinks for small matmuls: T/(T + 256) · h/(h + 256)
+    efficiency = 0.6 * 8192 / (8192 + 256) * 4096 / (4096 + 256)
+    assert time["compute_s"] == pytest.approx(data["batch_tokens"] * flops * 1.02 / (8 * H100_BF16 * efficiency))
+    assert data["fits"] is (data["peak_bytes"] <= data["usable_bytes"])
+    assert memory["extra"]["data_parallel"] == "fsdp"
+
+
+def test_search_ranks_with_the_function_estimate_prints(capsys, tmp_path):
+    code, out, _ = plan(capsys, "search", "--model", "llama3-8b", "--gpus", "8", "--batch-tokens", "1048576",
+                        "--seq", "8192", "--top", "3", "--out", "-", "--json")
+    assert code == 0
+    for ranked in json.loads(out)["layouts"]:
+        lay = ranked["layout"]
+        flags = [f"--{k.replace('_', '-')}={lay[k]}" for k in ("dp", "zero", "tp", "pp", "virtual_stages", "cp",
+                                                              "mbs", "grad_acc", "seq", "recompute", "pp_schedule")]
+        flags += ["--sp"] if lay["sp"] else []
+        alone = estimate_json(capsys, *flags)
+        for key in ("peak_bytes", "step_seconds", "tokens_per_sec_per_gpu", "mfu", "time"):
+            assert alone[key] == ranked[key], (ranked["describe"], key)
+
+
+def test_estimate_refuses_sweeps_and_bad_layouts(capsys):
+    code, _, err = plan(capsys, "estimate", "--model", "llama3-8b", "--tp", "1,2")
+    assert code == 2 and "plan estimate takes one layout" in err
+    code, _, err = plan(capsys, "estimate", "--model", "llama3-8b", "--tp", "3", "--efficiency", "2")
+    assert code == 2 and "tp=3 does not divide n_heads=32" in err and "--efficiency must lie in (0, 1]" in err
+    code, out, _ = plan(capsys, "estimate", "--model", "llama3-70b", "--seq", "8192")
+    assert code == 0 and "does NOT fit" in out  # a 70B model on one GPU: an estimate, and the verdict
