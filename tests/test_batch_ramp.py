@@ -7,7 +7,7 @@ from ultratron.errors import ConfigError
 from ultratron.training.batch_ramp import BatchSchedule
 from ultratron.training.metrics import read_metrics
 from ultratron.training.optim import lr_at
-from ultratron.training.trainer import train
+from ultratron.training.trainer import Trainer, train
 
 UNIT = 4 * 64  # TINY: micro_batch_size × seq_len
 RAMP = ["--training.batch_tokens", str(8 * UNIT), "--training.batch_ramp", f"start={UNIT},tokens={16 * UNIT}",
@@ -120,3 +120,20 @@ def test_a_pipeline_ramp_of_whole_rounds_is_accepted(tiny_overrides):
     cfg = load_config(None, tiny_overrides + PP + ["--training.batch_ramp", "start=512,tokens=1e6"])
     sizes = walk(BatchSchedule.from_config(cfg), 2_000_000)
     assert {s // UNIT % 2 for s in sizes} == {0} and sizes[-1] == 4096  # every step: whole rounds of pp
+
+
+def test_a_mixture_of_experts_counts_each_steps_own_micro_batches(tiny_overrides):
+    """Under a ramp the router statistics and the balancing loss's weight follow the step's micro-batches."""
+    moe = ["--model.n_experts", "4", "--model.n_active_experts", "2", "--model.expert_ffn_dim", "64",
+           "--model.moe_aux_loss", "0.01"]
+    cfg = load_config(None, tiny_overrides + RAMP + moe)
+    train(cfg, echo=False)
+    records = [r for r in read_metrics(cfg.run.dir) if "loss" in r]
+    assert len({r["batch_tokens"] for r in records}) > 2
+    for record in records:  # every token of the step routed to 2 experts in every layer (dropless)
+        assert [sum(layer) for layer in record["moe_load"]] == [2 * record["batch_tokens"]] * cfg.model.n_layers
+        assert record["moe_aux_loss"] > 0
+    early = Trainer(load_config(None, tiny_overrides + RAMP + moe + ["--training.stop_after", "2",
+                                                                     "--run.dir", f"{cfg.run.dir}-early"]), echo=False)
+    early.fit()  # its two steps ran one micro-batch each, not grad_accum_steps = 8
+    assert {router.aux_loss_scale for router in early.routers.routers} == {1.0}

@@ -70,6 +70,49 @@ def measure_pipeline_memory(base: list[str], schedules: list[str], out_dir: str)
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
 
 
+def ring_attention_errors(out_dir: str) -> None:
+    """On 4 ranks: context-parallel attention (ring and all-gather, cp 2 and 4, multi-head and
+    grouped-query) against full causal attention of the whole sequence — the largest absolute
+    difference of the output and of the q, k, v gradients, written to out_dir/rank<r>.json."""
+    import json
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from ultratron.models.llama.model import sdpa_attention
+    from ultratron.parallel.context_parallel import ContextParallelAttention, shard_sequence, unshard_sequence
+
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # (every rank creates every group)
+    results = {}
+    for cp in (2, 4):
+        group, cp_rank = (dist.group.WORLD, rank) if cp == 4 else (pairs[rank // 2], rank % 2)
+        for mode in ("ring", "allgather"):
+            for heads, kv_heads in ((4, 4), (4, 2)):
+                torch.manual_seed(cp * 10 + kv_heads)  # the same tensors on every rank
+                q, k, v = (torch.randn(2, h, 64, 16) for h in (heads, kv_heads, kv_heads))
+                weight = torch.randn(2, heads, 64, 16)
+                full = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = sdpa_attention(*full, None, heads // kv_heads)
+                (out * weight).sum().backward()
+                local = [shard_sequence(t, cp, cp_rank, dim=2).requires_grad_() for t in (q, k, v)]
+                attention = ContextParallelAttention(group, cp_rank, cp, mode)
+                attention.active = True
+                mine = attention(*local, None, heads // kv_heads)
+                (mine * shard_sequence(weight, cp, cp_rank, dim=2)).sum().backward()
+                errors = {}
+                for name, got, expected in (("out", mine.detach(), out.detach()),
+                                            *((f"d{n}", t.grad, f.grad) for n, t, f in zip("qkv", local, full,
+                                                                                             strict=True))):
+                    shards = [torch.empty_like(got) for _ in range(cp)]
+                    dist.all_gather(shards, got.contiguous(), group=group)
+                    errors[name] = float((unshard_sequence(shards, dim=2) - expected).abs().max())
+                    errors[name + "_scale"] = float(expected.abs().max())
+                results[f"cp{cp}-{mode}-{'gqa' if kv_heads < heads else 'mha'}"] = errors
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
 def measure_step_memory(base: list[str], layouts: list[list[str]], out_dir: str) -> None:
     """For each layout: the bytes this rank's second micro-batch of a step leaves alive after its
     forward (`parallel.memory.LiveTensors`: every tensor ops created, gloo's outputs included), the

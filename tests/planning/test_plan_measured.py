@@ -58,6 +58,7 @@ def measure(model_cfg: ModelConfig, layout: Layout) -> dict[str, int]:
 
 SMALL = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=256, max_seq_len=128,
              tie_embeddings=False, rope_theta=10_000.0)
+MOE = dict(n_experts=4, n_active_experts=2, expert_ffn_dim=96)  # a mixture of experts (planning.experts)
 WIDE = dict(SMALL, dim=128, n_heads=8, ffn_dim=256, vocab_size=128)  # a block's backward outweighs the loss's
 
 CASES = [
@@ -72,9 +73,13 @@ CASES = [
     (dict(SMALL, n_layers=3, dim=96, n_heads=6, n_kv_heads=1, ffn_dim=256), Layout(
         mbs=3, seq=32, recompute="full", precision="bf16")),
     (dict(SMALL, qk_norm=True), Layout(mbs=2, seq=64, recompute="none", precision="fp32")),
+    (dict(SMALL, qk_norm=True, n_layers=4), Layout(mbs=1, seq=96, recompute="selective", precision="bf16")),
     (dict(SMALL, qk_norm=True, n_layers=4), Layout(mbs=1, seq=96, recompute="none", precision="bf16")),
     (WIDE, Layout(mbs=2, seq=64, recompute="full", precision="fp32")),
     (WIDE, Layout(mbs=2, seq=64, recompute="selective", precision="bf16")),
+    (dict(SMALL, **MOE), Layout(mbs=2, seq=64, recompute="none", precision="fp32")),
+    (dict(SMALL, **MOE, n_shared_experts=1, n_layers=3, n_dense_layers=1), Layout(mbs=2, seq=64, recompute="none",
+                                                                                 precision="bf16")),
 ]
 
 
@@ -83,7 +88,7 @@ CASES = [
 def test_plan_memory_matches_the_trainers_step(fields, layout):
     torch.set_num_threads(1)
     model_cfg = ModelConfig(preset=None, **fields)
-    # On CPU the trainer runs bf16 attention in fp32 (models.llama._sdpa).
+    # On CPU ultratron runs bf16 attention in fp32 (models.llama.model.sdpa_attention), so autograd saves that.
     layout = dataclasses.replace(layout, attention_fp32=layout.precision == "bf16")
     measured = measure(model_cfg, layout)
     planned = estimate_memory(model_cfg, layout)

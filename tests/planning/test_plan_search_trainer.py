@@ -42,12 +42,13 @@ def test_every_ranked_layout_passes_the_trainers_validation(model, gpus, batch, 
 
 def test_one_list_of_trainer_axes_drives_validation_and_search(monkeypatch):
     flags = ["--parallel.cp", "2"]
-    with pytest.raises(ConfigError, match=r"parallel.cp=2: this build trains with data, tensor and pipeline "
-                                          r"parallelism only; set parallel.cp=1"):
-        load_config(None, flags)
     spec = SearchSpec(PRESETS["llama3-70b"], get_accelerator("h100-sxm"), 32, 8, 4 * 2**20, 8192)
-    assert {lay.cp for lay in enumerate_layouts(spec)} == {1}
-    # When context parallelism lands it joins the list, and validation and search both follow.
-    monkeypatch.setattr(rules, "TRAINER_AXES", (*rules.TRAINER_AXES, "cp"))
+    assert set(rules.TRAINER_AXES) == set(ALL_AXES)  # the trainer runs every axis (cp and ep included)
     assert load_config(None, flags).parallel.cp == 2
     assert {lay.cp for lay in enumerate_layouts(spec)} > {1}
+    # An axis taken off the list: validation refuses it and the search stops proposing it.
+    monkeypatch.setattr(rules, "TRAINER_AXES", tuple(a for a in rules.TRAINER_AXES if a != "cp"))
+    with pytest.raises(ConfigError, match=r"parallel.cp=2: this build trains with data, tensor, pipeline and "
+                                          r"expert parallelism only; set parallel.cp=1"):
+        load_config(None, flags)
+    assert {lay.cp for lay in enumerate_layouts(spec)} == {1}

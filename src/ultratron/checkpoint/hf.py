@@ -7,7 +7,16 @@ Two conventions differ from ours and are converted here:
 - Names: `layers.N.attention.wq` → `model.layers.N.self_attn.q_proj`, SwiGLU w1/w3/w2 →
   gate/up/down_proj, and so on.
 QK-norm and soft-capping have no place in HF's Llama, so such models are refused. A model with
-q/k/v biases is written as Qwen2 (Llama with exactly those biases). `hf_import.py` is the inverse.
+q/k/v biases is written as Qwen2 (Llama with exactly those biases). `hf_import.py` is the inverse
+(for the dense families).
+
+A mixture of experts is written as Mixtral (no QK-norm) or Qwen3-MoE (QK-norm; dense first layers
+as its `mlp_only_layers`) when its routing is theirs: softmax scores, top-k, no shared experts,
+no routing bias learned (DeepSeek-V3's balancing moves it; neither class has it), Mixtral with the
+chosen scores rescaled to 1. Each expert becomes the per-expert w1/w3/w2 (Mixtral) or
+gate/up/down_proj (Qwen3-MoE) weights the published checkpoints hold. Anything else is refused,
+every reason listed. QK-norm weights follow their heads' RoPE permutation. Capacity limits apply in
+training only, so an exported model routes as ours evaluates.
 """
 
 from __future__ import annotations
@@ -46,7 +55,9 @@ def rope_parameters(args) -> dict:
             "rope_theta": args.rope_theta, **(args.rope_scaling_params or {})}
 
 
-def check_exportable(args) -> None:
+def check_exportable(args, state: dict | None = None) -> None:
+    if args.n_experts:
+        return _check_moe(args, state or {})
     problems = []
     if args.qk_norm:
         problems.append("model.qk_norm=true: Hugging Face's Llama has no QK-norm")
@@ -58,10 +69,45 @@ def check_exportable(args) -> None:
         raise ExportError([f"cannot export to the Hugging Face Llama format: {p}" for p in problems])
 
 
+def _check_moe(args, state: dict) -> None:
+    problems = []
+    if args.n_shared_experts:
+        problems.append(f"model.n_shared_experts={args.n_shared_experts}: Mixtral and Qwen3-MoE have no shared experts")
+    if args.router_score != "softmax":
+        problems.append(f"model.router_score={args.router_score}: Mixtral and Qwen3-MoE route by softmax")
+    if not args.qk_norm and not args.router_norm_topk:
+        problems.append("model.router_norm_topk=false: Mixtral rescales the chosen experts' scores to 1")
+    if not args.qk_norm and args.n_dense_layers:
+        problems.append(f"model.n_dense_layers={args.n_dense_layers}: Mixtral has no dense layers (Qwen3-MoE, with "
+                        "model.qk_norm, does)")
+    if any(float(v.abs().max()) > 0 for k, v in state.items() if k.endswith("router.expert_bias")):
+        problems.append("the routing bias has moved (model.moe_bias_update): Mixtral and Qwen3-MoE route without one")
+    for name, what in (("qkv_bias", "q/k/v biases"), ("attn_softcap", "an attention soft-cap"),
+                       ("final_softcap", "a logit soft-cap")):
+        if getattr(args, name):
+            problems.append(f"model.{name}={getattr(args, name)}: Mixtral and Qwen3-MoE have no {what}")
+    if problems:
+        raise ExportError([f"cannot export this mixture of experts to Hugging Face: {p}" for p in problems])
+
+
+def _moe_config(args) -> dict:
+    if not args.qk_norm:
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "intermediate_size": args.expert_ffn_dim or args.ffn_dim, "num_local_experts": args.n_experts,
+                "num_experts_per_tok": args.n_active_experts, "router_aux_loss_coef": args.moe_aux_loss,
+                "router_jitter_noise": 0.0, "output_router_logits": False, "sliding_window": None}
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "intermediate_size": args.ffn_dim, "moe_intermediate_size": args.expert_ffn_dim or args.ffn_dim,
+            "num_experts": args.n_experts, "num_experts_per_tok": args.n_active_experts,
+            "norm_topk_prob": args.router_norm_topk, "decoder_sparse_step": 1,
+            "mlp_only_layers": list(range(args.n_dense_layers)), "router_aux_loss_coef": args.moe_aux_loss,
+            "output_router_logits": False, "use_sliding_window": False, "sliding_window": None}
+
+
 def hf_config(args, eos_id: int, dtype: str, bos_id: int | None = None) -> dict:
     family = ("Qwen2ForCausalLM", "qwen2") if args.qkv_bias else ("LlamaForCausalLM", "llama")
     scaling = rope_parameters(args) if args.rope_scaling != "none" else None
-    return {
+    config = {
         "architectures": [family[0]], "model_type": family[1],
         "hidden_size": args.dim, "intermediate_size": args.ffn_dim, "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
@@ -72,6 +118,7 @@ def hf_config(args, eos_id: int, dtype: str, bos_id: int | None = None) -> dict:
         "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": None, "use_cache": True,
         "torch_dtype": dtype, "dtype": dtype,
     }
+    return config | (_moe_config(args) if args.n_experts else {})
 
 
 def hf_state_dict(state: dict, args, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -81,7 +128,16 @@ def hf_state_dict(state: dict, args, dtype: torch.dtype = torch.float32) -> dict
         out["lm_head.weight"] = state["output.weight"]
     biased = ("attention.wq", "attention.wk", "attention.wv") if args.qkv_bias else ()
     for i in range(args.n_layers):
+        moe = args.n_experts and i >= args.n_dense_layers
+        if args.qk_norm:  # (MoE only) each head's channels follow the RoPE permutation of its rows
+            for norm in ("q_norm", "k_norm"):
+                out[f"model.layers.{i}.self_attn.{norm}.weight"] = rope_to_half_split(
+                    state[f"layers.{i}.attention.{norm}.weight"], 1)
+        if moe:
+            out |= _expert_tensors(state, args, i)
         for ours, theirs in LAYER_NAMES.items():
+            if moe and ours.startswith("feed_forward"):
+                continue
             for kind in ("weight", "bias") if ours in biased else ("weight",):
                 tensor = state[f"layers.{i}.{ours}.{kind}"]
                 if ours == "attention.wq":
@@ -92,12 +148,25 @@ def hf_state_dict(state: dict, args, dtype: torch.dtype = torch.float32) -> dict
     return {k: v.detach().to(dtype).contiguous().clone() for k, v in out.items()}
 
 
+def _expert_tensors(state: dict, args, i: int) -> dict[str, torch.Tensor]:
+    """One MoE layer's router and experts under Mixtral's or Qwen3-MoE's names."""
+    ours = f"layers.{i}.feed_forward"
+    block, names = ((f"model.layers.{i}.block_sparse_moe", ("w1", "w3", "w2")) if not args.qk_norm else
+                    (f"model.layers.{i}.mlp", ("gate_proj", "up_proj", "down_proj")))
+    out = {f"{block}.gate.weight": state[f"{ours}.router.gate.weight"]}
+    for e in range(args.n_experts):
+        for mine, theirs in zip(("w1", "w3", "w2"), names, strict=True):
+            out[f"{block}.experts.{e}.{theirs}.weight"] = state[f"{ours}.experts.{mine}"][e]
+    return out
+
+
 def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "float32") -> Path:
     """Write a Hugging Face Llama directory for `model` (an ultratron Llama) and its tokenizer."""
     from safetensors.torch import save_file
 
     args = model.args
-    check_exportable(args)
+    state = model.state_dict()
+    check_exportable(args, state)
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     out = Path(out_dir)
@@ -107,7 +176,7 @@ def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "float32") -> 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    tensors = hf_state_dict(model.state_dict(), args, DTYPES[dtype])
+    tensors = hf_state_dict(state, args, DTYPES[dtype])
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     write_json = lambda name, data: (tmp / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     bos = tokenizer.bos_token

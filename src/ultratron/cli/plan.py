@@ -4,6 +4,7 @@
   ultratron plan estimate --model llama3-8b --dp 8 --zero 1 --seq 8192 --grad-acc 16 --gpu h100-sxm --json
   ultratron plan scaling --flops 5.76e23            (or --gpus 1024 --gpu h100-sxm --days 30 --mfu 0.4)
   ultratron plan search  --model llama3-8b --gpu h100-sxm --gpus 8 --batch-tokens 1048576 --seq 8192
+  ultratron plan memory  --model mixtral-8x7b --dp 8 --ep 8 --zero 3 --seq 4096   (a mixture of experts)
 
 Comma-separated values in `plan memory` sweep a layout field; --chart FILE.png draws the terms.
 """
@@ -15,12 +16,13 @@ import itertools
 import json
 import math
 from dataclasses import asdict
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from types import SimpleNamespace
 
 from ultratron.cli.plan_output import gib, human, stacked_bars, table, varying_labels, wrap
 from ultratron.errors import UserError
-from ultratron.models.presets import PRESETS
+from ultratron.models.presets import PRESETS, ModelShape
 from ultratron.planning import hardware, scaling
 from ultratron.planning.memory import (
     ACTIVATION_MODELS,
@@ -35,6 +37,8 @@ from ultratron.planning.pipeline import BALANCES, SCHEDULES
 from ultratron.planning.rules import shape_problems
 
 SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+# optional shape fields (a preset's or ModelShape's default when not given): head width, MoE
+OPTIONAL_FIELDS = ("head_dim", "n_experts", "n_active_experts", "n_shared_experts", "expert_ffn_dim", "n_dense_layers")
 SWEEPABLE = ("dp", "zero", "tp", "pp", "pp_schedule", "virtual_stages", "cp", "ep", "mbs", "grad_acc", "seq",
              "recompute")
 TEXT_SWEEPS = ("pp_schedule", "recompute")
@@ -129,6 +133,10 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (explicit fields below override it)")
     for name in SHAPE_FIELDS:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name)
+    for name in OPTIONAL_FIELDS:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name,
+                            help="mixture of experts (as model." + name + ")" if name != "head_dim" else
+                            "attention head width (0: dim / n-heads)")
     parser.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--qk-norm", action="store_true")
 
@@ -141,12 +149,12 @@ def run(args) -> int:
 
 def resolve_shape(args) -> SimpleNamespace:
     """The model shape from --model and/or the explicit fields; every missing field is one problem line."""
-    values: dict = {}
+    values: dict = {f.name: f.default for f in dataclass_fields(ModelShape) if f.name in OPTIONAL_FIELDS}
     if args.model:
         if args.model not in PRESETS:
             raise UserError(f"unknown model preset {args.model!r}; known: {', '.join(PRESETS)}")
         values = asdict(PRESETS[args.model])
-    for name in (*SHAPE_FIELDS, "tie_embeddings"):
+    for name in (*SHAPE_FIELDS, *OPTIONAL_FIELDS, "tie_embeddings"):
         if getattr(args, name, None) is not None:
             values[name] = getattr(args, name)
     missing = [f"--{n.replace('_', '-')}" for n in (*SHAPE_FIELDS, "tie_embeddings") if values.get(n) is None]
@@ -157,7 +165,7 @@ def resolve_shape(args) -> SimpleNamespace:
         problems = shape_problems(SimpleNamespace(**values), name=lambda f: "--" + f.split(".")[1].replace("_", "-"))
     if problems:
         raise UserError(problems)
-    values["qk_norm"] = bool(getattr(args, "qk_norm", False))
+    values["qk_norm"] = bool(getattr(args, "qk_norm", False) or values.get("qk_norm", False))
     return SimpleNamespace(**values)
 
 
@@ -210,7 +218,8 @@ def run_memory(args) -> int:
                         for (lay, mem), ranks in zip(results, per_rank, strict=True)],
         }, indent=1))
     else:
-        print(f"model: {args.model or 'custom'} — {counts.total / 1e9:.3f}B parameters; activations: "
+        active = f" ({counts.active / 1e9:.3f}B active per token)" if counts.active != counts.total else ""
+        print(f"model: {args.model or 'custom'} — {counts.total / 1e9:.3f}B parameters{active}; activations: "
               f"{args.activation_model}; GiB on the heaviest GPU")
         header = ["term"] + [f"#{i + 1}" for i in range(len(results))]
         rows = [[term] + [gib(getattr(m, term)) for _, m in results] for term in MemoryBreakdown.TERMS]
@@ -218,9 +227,13 @@ def run_memory(args) -> int:
         rows.append(["stage"] + [m.stage if lay.pp == 1 else f"{m.stage} (rank {m.extra['pp_rank']})"
                                  for lay, m in results])
         print(table(header, rows))
-        for i, (lay, _) in enumerate(results):
+        for i, (lay, m) in enumerate(results):
+            experts = m.extra["expert_params_on_gpu"]
+            moe = (f"; experts: {human(experts)} params on the GPU (their parameters, gradients and optimizer "
+                   f"state, split over ep·tp, not ZeRO-sharded), all-to-all buffers {gib(m.extra['all_to_all_bytes'])}"
+                   f" GiB (in comm_buffers)") if experts else ""
             print(f"#{i + 1}: {lay.describe()} seq={lay.seq} {lay.precision}"
-                  f"{' fp32-grad-accum' if lay.fp32_grad_accum else ''}")
+                  f"{' fp32-grad-accum' if lay.fp32_grad_accum else ''}{moe}")
     if args.chart:
         labels = varying_labels([lay for lay, _ in results])
         series = {term: [getattr(m, term) / GiB for _, m in results] for term in MemoryBreakdown.TERMS}
@@ -263,8 +276,9 @@ def run_scaling(args) -> int:
     if args.model or args.params:
         if args.model and args.model not in PRESETS:
             raise UserError(f"unknown model preset {args.model!r}; known: {', '.join(PRESETS)}")
-        active = args.params or count_params_of(PRESETS[args.model]).total
-        total = args.total_params or active
+        counts = count_params_of(PRESETS[args.model]) if args.model else None
+        active = args.params or counts.active
+        total = args.total_params or (counts.total if counts and not args.params else active)
         tokens = args.tokens or args.tokens_per_param * active
         rows.append((args.model or "given model", active, total, tokens, scaling.FITS["epoch"].loss(active, tokens)))
     for method, active, total, tokens, loss in rows:
@@ -395,7 +409,8 @@ def run_search(args) -> int:
             print(f"\nconfig for #1 written to {wrote}")
     if args.chart and result.ranked:
         labels = [f"#{i + 1}\n" + wrap(e.layout.describe()) for i, e in enumerate(result.ranked)]
-        parts = {"compute": "compute_s", "TP": "tp_comm_s", "CP exposed": "cp_exposed_s", "PP p2p": "pp_comm_s",
+        parts = {"compute": "compute_s", "TP": "tp_comm_s", "CP exposed": "cp_exposed_s", "EP all-to-all": "ep_comm_s",
+                 "PP p2p": "pp_comm_s",
                  "bubble": "bubble_s", "DP exposed": "dp_exposed_s"}
         series = {name: [getattr(e, attr) for e in result.ranked] for name, attr in parts.items()}
         stacked_bars(args.chart, labels, series, "seconds per step",

@@ -22,20 +22,19 @@ from ultratron.config.loader import (
     read_toml,
     set_field,
 )
-from ultratron.config.training_rules import profile_problems, ramp_problems
+from ultratron.config.training_rules import parallel_problems, profile_problems, ramp_problems
 from ultratron.data.mixture_spec import parse_mixture
 from ultratron.errors import ConfigError
-from ultratron.models.presets import PRESETS
+from ultratron.models.presets import PRESETS, ModelShape
 from ultratron.planning.pipeline import BALANCES, SCHEDULES
 from ultratron.planning.rules import (
-    ALL_AXES,
     layout_problems,
     pipeline_problems,
     shape_problems,
-    unsupported_axis_problems,
 )
 
 ROPE_SCALINGS = ("none", "linear", "llama3")
+ROUTER_SCORES = ("softmax", "sigmoid")
 # The numbers each RoPE scaling needs (Llama 3.1's config.json names them so).
 ROPE_SCALING_PARAMS = {"none": (), "linear": ("factor",),
                        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -44,7 +43,8 @@ ROPE_SCALING_PARAMS = {"none": (), "linear": ("factor",),
 @dataclass
 class ModelConfig:
     # A preset fills every shape field left unset (None); explicit fields win over the preset.
-    preset: str | None = option("tiny", "a named shape (tiny, llama3-1b/3b/8b/70b/405b); explicit fields win")
+    preset: str | None = option("tiny", "a named shape (tiny, llama3-1b/3b/8b/70b/405b; mixtures of experts: moe-tiny, "
+                                        "mixtral-8x7b, qwen3-30b-a3b, deepseek-v3-like); explicit fields win")
     n_layers: int | None = option(None, "transformer blocks")
     dim: int | None = option(None, "model width")
     n_heads: int | None = option(None, "attention (query) heads")
@@ -54,8 +54,22 @@ class ModelConfig:
     max_seq_len: int | None = option(None, "longest sequence (RoPE table size)")
     tie_embeddings: bool | None = option(None, "share the embedding and output matrices")
     rope_theta: float | None = option(None, "RoPE base")
+    head_dim: int | None = option(None, "attention head width; 0: dim / n_heads (Qwen3: 128 at width 2048, 32 heads)")
+    qk_norm: bool | None = option(None, "RMSNorm on queries and keys per head (OLMo 2, Gemma 3, Qwen3)")
+    n_experts: int | None = option(None, "mixture of experts: routed experts per layer; 0: dense SwiGLU layers")
+    n_active_experts: int | None = option(None, "routed experts each token goes to (top-k)")
+    n_shared_experts: int | None = option(None, "experts every token also passes through (DeepSeek-V3: 1)")
+    expert_ffn_dim: int | None = option(None, "each expert's SwiGLU width; 0: ffn_dim")
+    n_dense_layers: int | None = option(None, "the first N layers keep the dense SwiGLU of ffn_dim (DeepSeek-V3: 3)")
+    router_score: str | None = option(None, "router scores: softmax (Mixtral, Qwen3) or sigmoid (DeepSeek-V3)",
+                                      choices=ROUTER_SCORES)
+    router_norm_topk: bool = option(True, "rescale the chosen experts' scores to sum to 1; false: raw scores")
+    moe_aux_loss: float = option(0.01, "load-balancing loss α·E·Σ f_i·P_i (Switch Transformer: α 0.01); 0 disables")
+    moe_bias_update: float = option(0.0, "DeepSeek-V3's balancing bias moves by this per step toward even load "
+                                         "(0.001 there); 0 disables")
+    moe_capacity_factor: float = option(0.0, "an expert takes this × an even share of a micro-batch's tokens, the "
+                                             "rest skip it (dropped); 0: dropless")
     norm_eps: float = option(1e-5, "RMSNorm epsilon")
-    qk_norm: bool = option(False, "RMSNorm on queries and keys per head (OLMo 2, Gemma 3)")
     attn_softcap: float = option(0.0, "Gemma-2 attention-logit soft cap cap·tanh(x/cap); 0 disables")
     final_softcap: float = option(0.0, "Gemma-2 final-logit soft cap; 0 disables")
     init_std: float = option(0.02, "standard deviation of the initial weights")
@@ -90,8 +104,13 @@ class ParallelConfig:
     pp_balance: str = option("flops", "what the default stage split evens out: flops (training FLOPs per token) "
                                       "or params; the embedding counts on the first stage, the head on the last",
                              choices=BALANCES)
-    cp: int = option(1, "context-parallel degree")
-    ep: int = option(1, "expert-parallel degree")
+    cp: int = option(1, "context-parallel degree: each sequence is cut into 2·cp chunks, two per rank (ring "
+                         "attention with causal balance; docs/parallel.md)")
+    cp_attention: str = option("ring", "how context-parallel attention reaches the other ranks' keys and values: "
+                                       "ring (K/V passed round, overlapped with compute) or allgather (Llama 3)",
+                               choices=("ring", "allgather"))
+    ep: int = option(1, "expert-parallel degree: a mixture of experts' routed experts split over ep of the "
+                        "data-parallel ranks (ep divides dp), tokens exchanged by all-to-all")
 
 
 @dataclass
@@ -280,7 +299,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def resolve_model(model: ModelConfig) -> None:
     """Fill unset shape fields from the preset; with no preset every shape field must be set."""
-    shape_fields = [f.name for f in dataclasses.fields(PRESETS["tiny"])]
+    shape_fields = [f.name for f in dataclasses.fields(ModelShape)]
     if model.preset is not None:
         if model.preset not in PRESETS:
             raise ConfigError(f"model.preset: unknown preset {model.preset!r}"
@@ -289,6 +308,9 @@ def resolve_model(model: ModelConfig) -> None:
         for name in shape_fields:
             if getattr(model, name) is None:
                 setattr(model, name, getattr(preset, name))
+    for f in dataclasses.fields(ModelShape):  # the optional ones (MoE, head_dim, ...): their defaults
+        if f.default is not dataclasses.MISSING and getattr(model, f.name) is None:
+            setattr(model, f.name, f.default)
     missing = [f"model.{n}" for n in shape_fields if getattr(model, n) is None]
     if missing:
         raise ConfigError(f"model.preset is none, so these must be set: {', '.join(missing)}")
@@ -302,21 +324,6 @@ def _positive(cfg: Config) -> list[str]:
     fields |= {f"parallel.{n}": getattr(par, n) for n in ("dp", "dp_replicate", "tp", "pp", "cp", "ep")}
     return [f"{name} must be positive, got {value}" for name, value in fields.items()
             if value is not None and value <= 0]
-
-
-def _parallel_problems(par: ParallelConfig) -> list[str]:
-    """Rules of the layout itself (the model's share is in planning.rules.layout_problems)."""
-    p = []
-    if par.dp % par.dp_replicate:
-        p.append(f"parallel.dp_replicate={par.dp_replicate} must divide parallel.dp={par.dp} "
-                 "(HSDP: dp = dp_replicate × dp_shard)")
-    elif par.dp_replicate > 1 and par.zero < 2:
-        p.append(f"parallel.dp_replicate={par.dp_replicate} (HSDP) shards within each replica group, so it needs "
-                 f"parallel.zero 2 or 3, got {par.zero}")
-    if par.sp and par.tp == 1:
-        p.append("parallel.sp=true needs parallel.tp > 1 (sequence parallel splits the norm regions over the "
-                 "tensor-parallel ranks)")
-    return p + unsupported_axis_problems({axis: getattr(par, axis) for axis in ALL_AXES})
 
 
 def rope_scaling_problems(m: ModelConfig) -> list[str]:
@@ -341,8 +348,9 @@ def validate(cfg: Config) -> None:
     if p:
         raise ConfigError(p)
     p += shape_problems(m) + rope_scaling_problems(m)
-    p += layout_problems(m, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, seq=t.seq_len)
-    p += _parallel_problems(par)
+    p += layout_problems(m, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, seq=t.seq_len, dp=par.dp,
+                         dp_replicate=par.dp_replicate)
+    p += parallel_problems(par)
     if t.seq_len > m.max_seq_len:
         p.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     micro = cfg.tokens_per_micro_batch * par.dp

@@ -16,6 +16,20 @@ class ModelShape:
     tie_embeddings: bool
     rope_theta: float
     max_seq_len: int
+    # attention head width; 0: dim / n_heads (Qwen3 decouples it: 128 at width 2048 with 32 heads)
+    head_dim: int = 0
+    qk_norm: bool = False  # RMSNorm on queries and keys per head (OLMo 2, Gemma 3, Qwen3)
+    # Mixture of experts (models/moe.py); 0 experts: every layer has the dense SwiGLU of ffn_dim.
+    n_experts: int = 0
+    n_active_experts: int = 0  # routed experts per token (top-k)
+    n_shared_experts: int = 0  # experts every token passes through besides the routed ones
+    expert_ffn_dim: int = 0  # each expert's SwiGLU width; 0: ffn_dim
+    n_dense_layers: int = 0  # the first layers keep the dense SwiGLU (DeepSeek-V3: 3)
+    router_score: str = "softmax"  # softmax (Mixtral, Qwen3) or sigmoid (DeepSeek-V3)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
 
 
 # Llama 3 shapes from Meta's published model cards / params.json (Llama 3.1 8B/70B/405B,
@@ -45,6 +59,35 @@ PRESETS: dict[str, ModelShape] = {
     "llama3-405b": ModelShape(
         n_layers=126, dim=16_384, n_heads=128, n_kv_heads=8, ffn_dim=53_248, vocab_size=128_256,
         tie_embeddings=False, rope_theta=500_000.0, max_seq_len=8192,
+    ),
+    # A mixture of experts that trains on a laptop CPU: tiny's attention and 8 experts of width 256,
+    # 2 of them per token (so a token runs 512 of the 2048 hidden units the experts hold).
+    "moe-tiny": ModelShape(
+        n_layers=4, dim=256, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=4096,
+        tie_embeddings=True, rope_theta=10_000.0, max_seq_len=256,
+        n_experts=8, n_active_experts=2, expert_ffn_dim=256,
+    ),
+    # Published mixture-of-experts shapes (their config.json files; totals in tests/test_moe.py):
+    # Mixtral-8x7B (Jiang et al. 2024): 46.7B total, 12.9B active.
+    "mixtral-8x7b": ModelShape(
+        n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14_336, vocab_size=32_000,
+        tie_embeddings=False, rope_theta=1_000_000.0, max_seq_len=32_768,
+        n_experts=8, n_active_experts=2,
+    ),
+    # Qwen3-30B-A3B (Qwen team 2025): 30.5B total, 3.3B active; QK-norm and a head width of its own.
+    "qwen3-30b-a3b": ModelShape(
+        n_layers=48, dim=2048, n_heads=32, n_kv_heads=4, ffn_dim=6144, vocab_size=151_936,
+        tie_embeddings=False, rope_theta=1_000_000.0, max_seq_len=40_960, head_dim=128, qk_norm=True,
+        n_experts=128, n_active_experts=8, expert_ffn_dim=768,
+    ),
+    # DeepSeek-V3-like (DeepSeek-AI 2024): its routed and shared experts, dense first layers, sigmoid
+    # router and vocabulary, but grouped-query attention in place of multi-head latent attention (MLA),
+    # which ultratron does not implement; 671B total / 37B active once MLA's attention is counted.
+    "deepseek-v3-like": ModelShape(
+        n_layers=61, dim=7168, n_heads=128, n_kv_heads=128, ffn_dim=18_432, vocab_size=129_280,
+        tie_embeddings=False, rope_theta=10_000.0, max_seq_len=4096,
+        n_experts=256, n_active_experts=8, n_shared_experts=1, expert_ffn_dim=2048, n_dense_layers=3,
+        router_score="sigmoid",
     ),
 }
 

@@ -36,41 +36,47 @@ from ultratron.parallel.dims import ParallelDims
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, plan: ParallelPlan,
-               roots: list[nn.Module] | None = None) -> nn.Module:
+               roots: list[nn.Module] | None = None, ignored: set | None = None) -> nn.Module:
     """Shard each transformer block, then the root (which holds the embedding, the final norm and the
     output head: with tied embeddings these share one parameter, so they must stay in one group).
-    Under pipeline parallelism each stage module is a root (`roots`)."""
+    Under pipeline parallelism each stage module is a root (`roots`). `ignored`: parameters another
+    axis reduces (split experts)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else None,
                               reduce_dtype=torch.float32)
     reshard = dims.zero == 3
     mesh = dims.dp_mesh
+    ignored = ignored or None
     for block in plan.blocks(model).values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, ignored_params=ignored)
     # The root's parameters are the first used in backward's end; keeping them gathered avoids an
     # all-gather that would be needed again at once (as torchtitan does).
     for root in roots or [model]:
-        fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp, ignored_params=ignored)
     return model
 
 
-def apply_replicate(model: nn.Module, dims: ParallelDims, plan: ParallelPlan, roots: list[nn.Module]) -> nn.Module:
+def apply_replicate(model: nn.Module, dims: ParallelDims, plan: ParallelPlan, roots: list[nn.Module],
+                    ignored: set | None = None) -> nn.Module:
     """DDP under pipeline parallelism: FSDP2's `replicate` on each block and each stage, which torch's
     pipeline stages drive like FSDP2. Parameters stay fp32 (bf16 compute runs through autocast, as
     with DDP); gradients are all-reduced in fp32."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     for block in plan.blocks(model).values():
-        replicate(block, mesh=dims.dp_mesh)
+        replicate(block, mesh=dims.dp_mesh, ignored_params=ignored or None)
     for root in roots:
-        replicate(root, mesh=dims.dp_mesh)
+        replicate(root, mesh=dims.dp_mesh, ignored_params=ignored or None)
     return model
 
 
-def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
+def apply_ddp(model: nn.Module, dims: ParallelDims, ignored: set | None = None) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
+    if ignored:
+        names = [name for name, p in model.named_parameters() if p in ignored]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     device_ids = [dims.local_rank] if next(model.parameters()).is_cuda else None
     # The rope tables are the only buffers and never change: no need to broadcast them each step.
     ddp = DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False,
@@ -80,19 +86,20 @@ def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
 
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, precision: str, plan: ParallelPlan,
-                        roots: list[nn.Module] | None = None) -> nn.Module:
-    if dims.dp == 1:
+                        roots: list[nn.Module] | None = None, ignored: set | None = None) -> nn.Module:
+    """Over dp × cp ranks (context-parallel ranks average their gradients like data-parallel ones)."""
+    if dims.data_parallel == 1:
         return model
     if dims.uses_fsdp:
-        return apply_fsdp(model, dims, precision, plan, roots)
+        return apply_fsdp(model, dims, precision, plan, roots, ignored)
     if roots is not None:  # pipeline stages, zero 0
-        return apply_replicate(model, dims, plan, roots)
-    return apply_ddp(model, dims)
+        return apply_replicate(model, dims, plan, roots, ignored)
+    return apply_ddp(model, dims, ignored)
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, dims: ParallelDims) -> torch.optim.Optimizer:
     """ZeRO-1 with DDP: the same AdamW groups, each rank holding the state of its share."""
-    if dims.zero != 1 or dims.dp == 1 or dims.uses_fsdp:
+    if dims.zero != 1 or dims.data_parallel == 1 or dims.uses_fsdp:
         return optimizer
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -127,15 +134,19 @@ def gradient_sync(model: nn.Module, enabled: bool):
     yield
 
 
-def average_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
-    """The mean of a per-rank scalar over the data-parallel ranks (tp ranks already agree)."""
-    if dims.dp == 1:
+def sum_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """The sum of a per-rank tensor over the data-parallel ranks, context-parallel ones included
+    (tp ranks already agree)."""
+    if dims.data_parallel == 1:
         return value
     value = value.detach().clone().float()
     mesh = dims.dp_mesh
-    if mesh.ndim > 1:
-        for d in range(mesh.ndim):
-            dist.all_reduce(value, group=mesh.get_group(d))
-    else:
-        dist.all_reduce(value, group=mesh.get_group())
-    return value / dims.dp
+    for d in range(mesh.ndim):
+        dist.all_reduce(value, group=mesh.get_group(d))
+    return value
+
+
+def average_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """The mean of a per-rank scalar over the data-parallel (and context-parallel) ranks: each holds
+    as many tokens, so the mean of their means is the mean over every token."""
+    return sum_over_dp(value, dims) / dims.data_parallel

@@ -3,9 +3,15 @@
 Mesh dimensions, outermost first: pp, dp_replicate, dp_shard, cp, tp (torchtitan's order: the
 axes that talk the most, tp, sit innermost, i.e. on neighbouring ranks / the same node).
 `dp` is the total data-parallel degree; with HSDP it splits into `dp_replicate` groups that each
-shard over `dp_shard = dp / dp_replicate` ranks. The layout's rules are checked with the
-config (`config.training.validate`, `planning.rules`) before any process group exists; here only
-the launch itself is checked: the number of processes must equal the layout's product.
+shard over `dp_shard = dp / dp_replicate` ranks. Context parallel ranks hold different tokens of
+the same sequences, so gradients are averaged over dp × cp: data parallelism runs on the flattened
+`dp_shard_cp` mesh. Expert parallelism borrows data-parallel ranks (the world stays dp·tp·pp·cp):
+dp_shard is cut into `edp` × `ep` (ep innermost), the experts are split over `ep`, and their
+gradients averaged over the ranks that hold the same experts (`edp`, `cp`). Flattened meshes are
+kept here (`self.flat`), as PyTorch asks, rather than sliced from the root again. The layout's
+rules are checked with the config (`config.training.validate`, `planning.rules`) before any
+process group exists; here only the launch itself is checked: the number of processes must equal
+the layout's product.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class ParallelDims:
     restart_count: int = 0  # torchrun's restarts of the whole group so far (TORCHELASTIC_RESTART_COUNT)
     agent_store: tuple[str, int] | None = None  # torchrun's own TCPStore (MASTER_ADDR, MASTER_PORT), if used
     mesh: object = field(default=None, repr=False, compare=False)  # a DeviceMesh once built
+    flat: dict = field(default_factory=dict, repr=False, compare=False)  # flattened meshes by name
 
     @classmethod
     def from_config(cls, parallel_cfg) -> ParallelDims:
@@ -72,10 +79,18 @@ class ParallelDims:
         return self.dp // self.dp_replicate
 
     @property
+    def data_parallel(self) -> int:
+        """The ranks a gradient is averaged over: dp × cp (cp ranks see other tokens of the sequences)."""
+        return self.dp * self.cp
+
+    @property
     def uses_fsdp(self) -> bool:
         """FSDP2 for ZeRO 2/3 and HSDP; also when dp meets tp, since DDP takes no DTensor parameters,
-        and for ZeRO-1 under pp (see parallel/data_parallel.py; zero 0 there is FSDP2's replicate)."""
-        return data_parallel_wrapper(self.dp, self.zero, self.tp, self.pp, self.dp_replicate) == "fsdp"
+        and for ZeRO-1 under pp or ep (see parallel/data_parallel.py; zero 0 under pp is FSDP2's
+        replicate; ZeroRedundancyOptimizer would broadcast each rank's own experts to the others).
+        Over dp × cp ranks (`data_parallel`)."""
+        return data_parallel_wrapper(self.data_parallel, self.zero, self.tp, self.pp, self.dp_replicate,
+                                     self.ep) == "fsdp"
 
     # ---- ranks ----------------------------------------------------------------------------------
     @property
@@ -83,6 +98,16 @@ class ParallelDims:
         """This rank's index among the data-parallel ranks (tp is innermost, so rank // tp; pp is
         outermost, so the same dp rank recurs in every pipeline stage)."""
         return (self.rank // (self.tp * self.cp)) % self.dp
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index among the context-parallel ranks (between dp and tp in the mesh)."""
+        return (self.rank // self.tp) % self.cp
+
+    @property
+    def ep_rank(self) -> int:
+        """Which share of the experts this rank holds (ep is the innermost part of dp)."""
+        return self.dp_rank % self.ep
 
     @property
     def pp_rank(self) -> int:
@@ -141,14 +166,23 @@ class ParallelDims:
     def build_mesh(self, device_type: str = "cpu"):
         from torch.distributed.device_mesh import init_device_mesh
 
-        names = ("pp", "dp_replicate", "dp_shard", "tp")
-        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-        kept = [(n, s) for n, s in zip(names, sizes, strict=True) if s > 1] or [("dp_shard", 1)]
+        shard = (("edp", self.dp_shard // self.ep), ("ep", self.ep)) if self.ep > 1 else (("dp_shard", self.dp_shard),)
+        dims = (("pp", self.pp), ("dp_replicate", self.dp_replicate), *shard, ("cp", self.cp), ("tp", self.tp))
+        kept = [(n, s) for n, s in dims if s > 1] or [("dp_shard", 1)]
         self.mesh = init_device_mesh(device_type, tuple(s for _, s in kept), mesh_dim_names=tuple(n for n, _ in kept))
+        self.flat = {}
+        present = lambda *names: tuple(n for n in names if n in self.mesh.mesh_dim_names)  # noqa: E731
+        if self.ep > 1 and present("edp", "ep"):
+            self.flat["dp_shard"] = self.mesh[present("edp", "ep")]._flatten("dp_shard")
+        if self.cp > 1:
+            self.flat["dp_shard_cp"] = self.mesh[present("edp", "ep", "dp_shard", "cp")]._flatten("dp_shard_cp")
         return self.mesh
 
     def submesh(self, *names: str):
-        """The mesh over the named dimensions that exist (size > 1), or None if none does."""
+        """The mesh over the named dimensions that exist (size > 1), or None if none does. A single
+        name may be a flattened mesh's (`dp_shard` under ep, `dp_shard_cp`)."""
+        if len(names) == 1 and names[0] in self.flat:
+            return self.flat[names[0]]
         present = [n for n in names if self.mesh is not None and n in (self.mesh.mesh_dim_names or ())]
         if not present:
             return None
@@ -156,8 +190,26 @@ class ParallelDims:
 
     @property
     def dp_mesh(self):
-        """The mesh data parallelism runs over (both HSDP dimensions, outer first)."""
+        """The mesh data parallelism runs over: both HSDP dimensions, outer first; under context
+        parallel the flattened dp × cp."""
+        if self.cp > 1:
+            return self.flat["dp_shard_cp"]
+        if self.ep > 1:
+            return self.submesh("dp_shard")
         return self.submesh("dp_replicate", "dp_shard")
+
+    @property
+    def cp_mesh(self):
+        return self.submesh("cp")
+
+    @property
+    def ep_mesh(self):
+        return self.submesh("ep")
+
+    @property
+    def expert_replica_dims(self) -> list[str]:
+        """The mesh dimensions over which ranks hold the same experts (their gradients are summed)."""
+        return [n for n in ("dp_replicate", "edp", "dp_shard", "cp") if n in (self.mesh.mesh_dim_names or ())]
 
     @property
     def tp_mesh(self):

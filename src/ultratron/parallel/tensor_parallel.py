@@ -33,7 +33,7 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: ParallelPl
     parallelize_module(model, dims.tp_mesh, {name: style for name, style in root_plan.items()
                                              if getattr(model, name.split(".")[0], None) is not None})
     for block in plan.blocks(model).values():
-        parallelize_module(block, dims.tp_mesh, block_plan)
+        parallelize_module(block, dims.tp_mesh, block_plan(block))
     plan.tie_weights(model)
     model.register_forward_hook(_gather_logits_in_eval)
     return model

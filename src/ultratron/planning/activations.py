@@ -21,7 +21,8 @@ Two estimators:
     Attention: q and k after RoPE and v, q·T·(h + 2kv)/t; the output q·T·h/t (+ its p copy for wo
       when q ≠ p); flash attention's fp32 log-sum-exp 4·b·s·a/t and no s×s scores; RoPE's two
       complex64 rotation tables 2·4·s·d. QK-norm adds a norm over q and k per head.
-    SwiGLU: w1·x, w3·x, silu(w1·x) and the product, 4·p·T·f/t.
+    SwiGLU: w1·x, w3·x, silu(w1·x) and the product, 4·p·T·f/t; a mixture of experts' layers the
+      routed slots' instead (`planning.experts`, `_with_experts`).
     Autocast's bf16 copies of the fp32 weights, 2 bytes per matmul weight, kept for backward.
   Recompute, as `parallel/recompute.py` runs it: *full* keeps each block's input r·T·h/g;
   *selective* (torch's selective checkpoint, MUST_SAVE matmul and attention outputs) keeps the
@@ -48,7 +49,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ultratron.planning.rules import data_parallel_wrapper
+from ultratron.planning.experts import moe_layer_share, moe_mlp_activation_bytes
+from ultratron.planning.rules import data_parallel_wrapper, expert_ffn_dim_of, field_of, head_dim_of
 
 RECOMPUTE = ("none", "selective", "full")
 ACTIVATION_MODELS = ("per-op", "textbook")
@@ -73,7 +75,7 @@ def dtypes_of(layout) -> Dtypes:
         return Dtypes(4, 4, 4, False)
     attention = 4 if layout.attention_fp32 else 2
     if layout.fp32_grad_accum or data_parallel_wrapper(layout.shard_group, layout.zero, layout.tp,
-                                                       layout.pp) == "fsdp":
+                                                       layout.pp, ep=layout.ep) == "fsdp":
         return Dtypes(2, 2, attention, False)
     return Dtypes(4, 2, attention, True)
 
@@ -87,7 +89,7 @@ def _region(layout) -> int:
 
 
 def _head_dim(shape) -> int:
-    return shape.dim // shape.n_heads
+    return head_dim_of(shape)
 
 
 def _norm(tokens: float, width: float, rows: float, dt: Dtypes) -> float:
@@ -98,7 +100,8 @@ def _norm(tokens: float, width: float, rows: float, dt: Dtypes) -> float:
 def layer_matmul_params(shape, tp: int = 1) -> float:
     """Weights of one block's matmuls on a tensor-parallel rank (what autocast copies to bf16)."""
     kv = shape.n_kv_heads * _head_dim(shape)
-    return (2 * shape.dim * shape.dim + 2 * shape.dim * kv + 3 * shape.dim * shape.ffn_dim) / tp
+    w = shape.n_heads * _head_dim(shape)
+    return (2 * shape.dim * w + 2 * shape.dim * kv + 3 * shape.dim * shape.ffn_dim) / tp
 
 
 def per_op_layer_items(shape, layout, recompute: str | None = None) -> dict[str, float]:
@@ -112,25 +115,50 @@ def per_op_layer_items(shape, layout, recompute: str | None = None) -> dict[str,
     block_input = dt.residual * tokens * h / g
     if recompute == "full":
         return {"block input": block_input}
-    attention_out = {"attention output": q * tokens * h / t, "log-sum-exp": 4 * b * s * a / t}
+    w = a * d  # the query width (= h unless the head width is set apart, as in Qwen3)
+    attention_out = {"attention output": q * tokens * w / t, "log-sum-exp": 4 * b * s * a / t}
     if recompute == "selective":
-        return {"block input": block_input,
-                "matmul outputs": p * tokens * (h / t + 2 * kv / t + 2 * f / t + 2 * h), **attention_out}
+        items = {"block input": block_input,
+                 "matmul outputs": p * tokens * (w / t + 2 * kv / t + 2 * f / t + 2 * h), **attention_out}
+        return _with_experts(items, "matmul outputs", shape, layout, recompute)
     items = {
         "norms": 2 * _norm(tokens / g, h, tokens / g, dt),
         "matmul inputs": (5 * p if dt.casts else 2 * dt.residual) * tokens * h,
-        "q, k, v": q * tokens * (h + 2 * kv) / t,
+        "q, k, v": q * tokens * (w + 2 * kv) / t,
         **attention_out,
         "rope tables": 2 * 4 * s * d,
         "swiglu": 4 * p * tokens * f / t,
     }
     if q != p:
-        items["attention output"] += p * tokens * h / t  # its copy in the compute dtype for wo
+        items["attention output"] += p * tokens * w / t  # its copy in the compute dtype for wo
     if getattr(shape, "qk_norm", False):  # one norm per head over q and one over k, each d wide
-        items["qk norms"] = 8 * tokens * (h + kv) / t + 4 * tokens * (a + shape.n_kv_heads) / t + (
+        items["qk norms"] = 8 * tokens * (w + kv) / t + 4 * tokens * (a + shape.n_kv_heads) / t + (
             2 * 4 * d if dt.residual == 2 else 0)
     if dt.casts:
         items["bf16 weight copies"] = 2 * layer_matmul_params(shape, t)
+    return _with_experts(items, "swiglu", shape, layout, recompute)
+
+
+def _with_experts(items: dict[str, float], mlp: str, shape, layout, recompute: str) -> dict[str, float]:
+    """A mixture of experts' average layer: its MoE layers' routed slots (`planning.experts`) in
+    place of the dense SwiGLU's share `mlp` (w1·x and w3·x under selective recompute, all four else).
+    Under autocast's casts each matmul also keeps its own bf16 input and weight copy: the router's,
+    the k routed slots' and the shared experts' twice (w1, w3) instead of the dense w1/w3's, and
+    the rank's E/ep experts' weights instead of the dense MLP's."""
+    share = moe_layer_share(shape)
+    if not share:
+        return items
+    dt, t, tokens = dtypes_of(layout), layout.tp, _tokens(layout)
+    p, h = dt.compute, shape.dim
+    dense = (2 if recompute == "selective" else 4) * p * tokens * shape.ffn_dim / t
+    items[mlp] -= share * dense
+    items["experts"] = share * moe_mlp_activation_bytes(shape, tokens, p, t, recompute)
+    if dt.casts and recompute == "none":
+        k, shared = field_of(shape, "n_active_experts"), field_of(shape, "n_shared_experts")
+        experts, he = shape.n_experts, expert_ffn_dim_of(shape)
+        items["matmul inputs"] += share * p * tokens * h * (1 + 2 * k + 2 * shared - 2)
+        weights = experts * h + 3 * h * he * (experts / layout.ep + shared) / t - 3 * h * shape.ffn_dim / t
+        items["bf16 weight copies"] += share * 2 * weights
     return items
 
 

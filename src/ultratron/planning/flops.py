@@ -6,6 +6,9 @@ matmul (here: all parameters except the input embedding, which is a lookup, but 
 output projection even when tied) and 12·L·h·s covers the attention scores and weighted sum
 (forward 4·L·h·s, backward twice that), counted without the causal halving as is customary.
 Forward is ≈ 1/3 of it, backward ≈ 2/3. MFU counts model FLOPs only, never recompute (that is HFU).
+A mixture of experts counts its active parameters only — the router, each token's k routed experts
+and the shared ones (DeepSeek-AI 2024 quotes its FLOPs per token so) —, since a token never
+touches the other experts.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from ultratron.planning.params import ParamCounts
 
 
 def matmul_params(counts: ParamCounts, vocab_size: int, dim: int) -> int:
-    """Parameters that cost 2 FLOPs per token in the forward pass (the output head counts even if tied)."""
-    return counts.layers + vocab_size * dim
+    """Parameters that cost 2 FLOPs per token in the forward pass (the output head counts even if tied;
+    of a mixture of experts, the experts a token is routed to)."""
+    return counts.active_layers + vocab_size * dim
 
 
 def training_flops_per_token(counts: ParamCounts, *, vocab_size: int, dim: int, n_layers: int,

@@ -17,6 +17,13 @@ following what `parallel/data_parallel.py` does for the layout (`rules.data_para
 TP shards the matrices (norm weights stay whole); PP keeps the rank's stages' layers, the first
 stage adds the embedding, the last the final norm and output head (its own copy when tied).
 
+Mixture of experts (`planning.experts`): the routed experts split over ep·tp (per-layer parameters
+are the block's minus its routed experts, plus the rank's E/ep experts' share) and, once split (ep or
+tp > 1), left out of ZeRO's and DDP's sharding and buckets as the trainer does — their parameters,
+gradients and moments whole, 16 bytes, as one process holds them; the routed slots' activations in
+place of the dense SwiGLU's (`planning.activations`); the all-to-all's send and receive buffers under
+expert parallelism (in comm_buffers).
+
 Activations: `planning.activations` (what the trainer's model keeps, tensor by tensor, or the
 textbook's formula). Pipeline parallel: the stages, their layers and their ranks come from
 `planning.pipeline` — the same split and placement the trainer runs. A rank holds the parameters
@@ -38,7 +45,7 @@ own buffers (NCCL_BUFFSIZE, 4 MiB per channel and peer by default) and allocator
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ultratron.errors import UserError
 from ultratron.planning.activations import (
@@ -53,6 +60,7 @@ from ultratron.planning.activations import (
     loss_backward_bytes,
     per_op_layer_items,
 )
+from ultratron.planning.experts import all_to_all_buffer_bytes, routed_expert_params_per_layer
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import (
     BALANCES,
@@ -63,7 +71,7 @@ from ultratron.planning.pipeline import (
     stage_split,
     stages_per_rank,
 )
-from ultratron.planning.rules import data_parallel_wrapper, layout_problems, pipeline_problems, short_name
+from ultratron.planning.rules import data_parallel_wrapper, head_dim_of, layout_problems, pipeline_problems, short_name
 
 GiB = 1024**3
 PRECISIONS = ("bf16", "fp32")
@@ -93,7 +101,7 @@ class Layout:
     precision: str = "bf16"
     fp32_grad_accum: bool = False
     # Attention (q, k, v, output) computed in fp32 even in bf16, like Megatron's
-    # --attention-softmax-in-fp32; ultratron does this for bf16 on CPU (models.llama._sdpa).
+    # --attention-softmax-in-fp32; ultratron does this for bf16 on CPU (models.llama.model.sdpa_attention).
     attention_fp32: bool = False
 
     @property
@@ -191,7 +199,7 @@ def check_layout(shape, layout: Layout) -> list[str]:
         p.append(f"--recompute {layout.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if layout.precision not in PRECISIONS:
         p.append(f"--precision {layout.precision!r} is not one of {', '.join(PRECISIONS)}")
-    p += layout_problems(shape, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, seq=layout.seq,
+    p += layout_problems(shape, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, seq=layout.seq, dp=layout.dp,
                          name=short_name)
     if not p:
         p += pipeline_problems(shape, pp=layout.pp, schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages,
@@ -202,7 +210,7 @@ def check_layout(shape, layout: Layout) -> list[str]:
 
 
 def _head_dim(shape) -> int:
-    return shape.dim // shape.n_heads
+    return head_dim_of(shape)
 
 
 @dataclass(frozen=True)
@@ -237,15 +245,22 @@ def pipeline_ranks(shape, layout: Layout) -> list[PipelineRank]:
 
 
 def _layer_params(shape, t: int) -> float:
-    """One block's parameters on a tensor-parallel rank (the norm weights stay whole)."""
+    """The average block's parameters on a tensor-parallel rank but its routed experts (the norm
+    weights stay whole)."""
     norms = 2 * shape.dim + (2 * _head_dim(shape) if getattr(shape, "qk_norm", False) else 0)
-    return (count_params_of(shape).per_layer - norms) / t + norms
+    return (count_params_of(shape).mean_layer - routed_expert_params_per_layer(shape) - norms) / t + norms
+
+
+def _split_expert_params(shape, layout: Layout, where: PipelineRank) -> float:
+    """The rank's routed experts' parameters once split over ep·tp (which ZeRO leaves alone)."""
+    split = layout.ep > 1 or layout.tp > 1
+    return sum(where.layers) * routed_expert_params_per_layer(shape) / (layout.ep * layout.tp) if split else 0.0
 
 
 def _rank_params(shape, layout: Layout, where: PipelineRank) -> float:
     counts = count_params_of(shape)
     t = layout.tp
-    params = sum(where.layers) * _layer_params(shape, t)
+    params = sum(where.layers) * (_layer_params(shape, t) + routed_expert_params_per_layer(shape) / (layout.ep * t))
     if where.first:
         params += counts.embedding / t
     if where.last:
@@ -270,7 +285,7 @@ class _Static:
 
 
 def wrapper_of(layout: Layout) -> str:
-    return data_parallel_wrapper(layout.shard_group, layout.zero, layout.tp, layout.pp)
+    return data_parallel_wrapper(layout.shard_group, layout.zero, layout.tp, layout.pp, ep=layout.ep)
 
 
 def _static(layout: Layout) -> _Static:
@@ -307,6 +322,12 @@ def _stage_items(shape, layout: Layout, stage: int, layers: int, n_stages: int,
 def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> MemoryBreakdown:
     params = _rank_params(shape, layout, where)
     st = _static(layout)
+    # split experts (ep or tp > 1) are left out of ZeRO's sharding and DDP's buckets, as the trainer does:
+    # they keep what one process keeps
+    experts = _split_expert_params(shape, layout, where)
+    se = _static(replace(layout, dp=1, cp=1)) if experts else st
+    sharded = params - experts
+    term = lambda name: sharded * getattr(st, name) + experts * getattr(se, name)
     p = layout.compute_bytes
     tokens = layout.mbs * layout.seq / layout.cp
     t = layout.tp
@@ -332,12 +353,13 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
 
     comm = 0.0
     if st.ddp_buckets:
-        comm += params * 4
+        comm += sharded * 4
     if st.gathered_blocks:
-        layer_params = _layer_params(shape, t)
+        # a block's sharded parameters: its routed experts too while they are not split
+        layer_params = _layer_params(shape, t) + (0.0 if experts else routed_expert_params_per_layer(shape))
         comm += 2 * layer_params * p + layer_params * 4  # two blocks gathered, one block's fp32 gradients reduced
         # the root (embedding, final norm, head) stays gathered through the step (parallel/data_parallel.py)
-        comm += p * (params - sum(where.layers) * layer_params)
+        comm += p * (sharded - sum(where.layers) * layer_params)
     if layout.pp > 1:  # torch's stages keep a receive buffer per micro-batch and neighbour on another rank
         ranks = stage_ranks(layout.pp_schedule, layout.pp, layout.virtual_stages)
         remote = sum((s > 0 and ranks[s - 1] != where.rank) + (s < n_stages - 1 and ranks[s + 1] != where.rank)
@@ -345,7 +367,9 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
         comm += remote * layout.grad_acc * dtypes_of(layout).residual * tokens * h / (t if layout.sp else 1)
     if layout.cp > 1:
         comm += 2 * p * tokens * 2 * kv / t
-    optimizer_temporaries = 0.0 if st.fused_adam else 4 * params * st.optimizer_states / 8
+    all_to_all = all_to_all_buffer_bytes(shape, tokens, p, layout.ep)
+    comm += all_to_all
+    optimizer_temporaries = 0.0 if st.fused_adam else 4 * term("optimizer_states") / 8
     working = activations + loss_logits + transient
     if optimizer_temporaries > working:
         # The optimizer step runs after backward freed the activations: it sets the peak instead.
@@ -353,11 +377,11 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
 
     per_op = model == "per-op"
     return MemoryBreakdown(
-        parameters=params * st.parameters,
-        gradients=params * st.gradients,
-        grad_accum_buffer=params * st.grad_accum_buffer,
-        master_weights=params * st.master_weights,
-        optimizer_states=params * st.optimizer_states,
+        parameters=term("parameters"),
+        gradients=term("gradients"),
+        grad_accum_buffer=term("grad_accum_buffer"),
+        master_weights=term("master_weights"),
+        optimizer_states=term("optimizer_states"),
         activations=activations,
         loss_logits=loss_logits,
         comm_buffers=comm,
@@ -368,7 +392,8 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
                "per_layer_activation_bytes": layer_activation_bytes(shape, layout, model),
                "per_layer_activation_items": per_op_layer_items(shape, layout) if per_op else {},
                "in_flight_micro_batches": in_flight, "activation_model": model,
-               "data_parallel": wrapper_of(layout), "matmul_params_per_layer": layer_matmul_params(shape, t)},
+               "data_parallel": wrapper_of(layout), "matmul_params_per_layer": layer_matmul_params(shape, t),
+               "expert_params_on_gpu": experts, "all_to_all_bytes": all_to_all},
     )
 
 

@@ -67,9 +67,10 @@ def rank_stages(schedule: str, pp: int, virtual_stages: int, rank: int) -> list[
 def stage_costs(shape, balance: str, seq: int) -> tuple[float, float, float]:
     """(embedding, one layer, head + loss) in the balance's unit (see the module docstring)."""
     counts = count_params_of(shape)
+    # (a mixture of experts' dense first layers are counted as the average layer)
     if balance == "params":
-        return float(counts.embedding), float(counts.per_layer), float(counts.final_norm + counts.embedding)
-    layer = 6.0 * counts.per_layer + 12.0 * shape.dim * seq
+        return float(counts.embedding), counts.mean_layer, float(counts.final_norm + counts.embedding)
+    layer = 6.0 * counts.active_layers / counts.n_layers + 12.0 * shape.dim * seq
     return 0.0, layer, 6.0 * shape.vocab_size * shape.dim
 
 

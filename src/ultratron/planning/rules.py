@@ -18,7 +18,7 @@ Namer = Callable[[str], str]
 # The parallel axes the trainer runs today (`ultratron.parallel`), in mesh order. Config validation
 # refuses a degree above 1 on any other axis, and `plan search` proposes layouts on these axes
 # only; an axis joins this tuple when its code lands, and both follow.
-TRAINER_AXES = ("dp", "tp", "pp")
+TRAINER_AXES = ("dp", "tp", "pp", "cp", "ep")
 ALL_AXES = ("dp", "tp", "pp", "cp", "ep")
 AXIS_NAMES = {"dp": "data", "tp": "tensor", "pp": "pipeline", "cp": "context", "ep": "expert"}
 
@@ -33,6 +33,22 @@ def short_name(field: str) -> str:
     return field.split(".", 1)[1]
 
 
+def field_of(shape, name: str, default=0):
+    """An optional shape field (MoE, head_dim, ...), its default when absent or unresolved (None)."""
+    value = getattr(shape, name, None)
+    return default if value is None else value
+
+
+def head_dim_of(shape) -> int:
+    """The attention head width: an explicit `head_dim`, else dim / n_heads."""
+    return field_of(shape, "head_dim") or shape.dim // shape.n_heads
+
+
+def expert_ffn_dim_of(shape) -> int:
+    """Each expert's SwiGLU width: an explicit `expert_ffn_dim`, else ffn_dim."""
+    return field_of(shape, "expert_ffn_dim") or shape.ffn_dim
+
+
 def unsupported_axis_problems(degrees: dict[str, int], name: Namer = config_name) -> list[str]:
     """A degree above 1 on an axis the trainer does not run (`TRAINER_AXES`), one line each."""
     words = [AXIS_NAMES[axis] for axis in TRAINER_AXES]
@@ -42,52 +58,102 @@ def unsupported_axis_problems(degrees: dict[str, int], name: Namer = config_name
             if axis not in TRAINER_AXES and degree > 1]
 
 
-def data_parallel_wrapper(dp: int, zero: int, tp: int = 1, pp: int = 1, dp_replicate: int = 1) -> str:
-    """How the trainer runs data parallelism for a layout (`parallel/data_parallel.py`): "none" (dp 1),
-    "ddp" (zero 0, and zero 1 with ZeroRedundancyOptimizer), "fsdp" (FSDP2 `fully_shard`: zero 2 and
-    3, HSDP, zero 0/1 when dp meets tp since DDP takes no DTensor parameters, zero 1 under pp) or
-    "replicate" (FSDP2's `replicate`: zero 0 under pp)."""
+def data_parallel_wrapper(dp: int, zero: int, tp: int = 1, pp: int = 1, dp_replicate: int = 1, ep: int = 1) -> str:
+    """How the trainer runs data parallelism for a layout (`parallel/data_parallel.py`), `dp` the ranks
+    it spans (dp·cp under context parallel): "none" (1 rank), "ddp" (zero 0, and zero 1 with
+    ZeroRedundancyOptimizer), "fsdp" (FSDP2 `fully_shard`: zero 2 and 3, HSDP, zero 0/1 when dp meets
+    tp since DDP takes no DTensor parameters, zero 1 under pp or ep — ZeroRedundancyOptimizer would
+    broadcast each rank's own experts to the others) or "replicate" (FSDP2's `replicate`: zero 0 under pp)."""
     if dp == 1:
         return "none"
-    if zero >= 2 or dp_replicate > 1 or tp > 1 or (pp > 1 and zero == 1):
+    if zero >= 2 or dp_replicate > 1 or tp > 1 or ((pp > 1 or ep > 1) and zero == 1):
         return "fsdp"
     return "replicate" if pp > 1 else "ddp"
 
 
 def shape_problems(shape, name: Namer = config_name) -> list[str]:
-    """Heads must divide the width, with an even head dimension; kv heads must divide heads."""
+    """Heads must divide the width (unless the head width is given), with an even head dimension;
+    kv heads must divide heads; a mixture of experts needs 1 ≤ top-k ≤ experts and a MoE layer."""
     p: list[str] = []
-    if shape.dim % shape.n_heads:
+    explicit = field_of(shape, "head_dim")
+    if explicit < 0:
+        p.append(f"{name('model.head_dim')} must be ≥ 0 (0: dim / n_heads), got {explicit}")
+    elif explicit and explicit % 2:
+        p.append(f"{name('model.head_dim')}={explicit} must be even for rotary embeddings")
+    elif not explicit and shape.dim % shape.n_heads:
         p.append(f"{name('model.n_heads')}={shape.n_heads} does not divide {name('model.dim')}={shape.dim}")
-    elif (shape.dim // shape.n_heads) % 2:
+    elif not explicit and (shape.dim // shape.n_heads) % 2:
         p.append(f"head dimension {shape.dim // shape.n_heads} ({name('model.dim')}/{name('model.n_heads')}) "
                  "must be even for rotary embeddings")
     if shape.n_heads % shape.n_kv_heads:
         p.append(f"{name('model.n_kv_heads')}={shape.n_kv_heads} does not divide "
                  f"{name('model.n_heads')}={shape.n_heads} (grouped-query attention shares each kv head "
                  "among n_heads/n_kv_heads query heads)")
+    return p + moe_problems(shape, name)
+
+
+def moe_problems(shape, name: Namer = config_name) -> list[str]:
+    experts = field_of(shape, "n_experts")
+    moe_fields = ("n_experts", "n_active_experts", "n_shared_experts", "expert_ffn_dim", "n_dense_layers")
+    p = [f"{name('model.' + f)} must be ≥ 0, got {field_of(shape, f)}" for f in moe_fields
+         if field_of(shape, f) < 0]
+    if p:
+        return p
+    if experts == 0:
+        return [f"{name('model.' + f)}={getattr(shape, f)} needs {name('model.n_experts')} > 0 (a mixture of "
+                f"experts)" for f in moe_fields[1:] if field_of(shape, f) > 0]
+    p += [f"{name('model.' + f)} must be ≥ 0 (0 disables), got {field_of(shape, f)}"
+          for f in ("moe_aux_loss", "moe_bias_update", "moe_capacity_factor") if field_of(shape, f) < 0]
+    if 0 < field_of(shape, "moe_capacity_factor") < 1:
+        p.append(f"{name('model.moe_capacity_factor')}={shape.moe_capacity_factor} is below an even share (1.0): "
+                 "even perfectly balanced routing would drop tokens; use ≥ 1 (e.g. 1.25) or 0 for dropless")
+    top_k = field_of(shape, "n_active_experts")
+    if not 1 <= top_k <= experts:
+        p.append(f"{name('model.n_active_experts')}={top_k} must lie in [1, {name('model.n_experts')}={experts}]")
+    if field_of(shape, "n_dense_layers") >= shape.n_layers:
+        p.append(f"{name('model.n_dense_layers')}={shape.n_dense_layers} leaves no mixture-of-experts layer of "
+                 f"{name('model.n_layers')}={shape.n_layers}")
     return p
 
 
 def layout_problems(shape, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, seq: int | None = None,
-                    name: Namer = config_name) -> list[str]:
-    """What a layout needs of the model: tp divides heads, kv heads, FFN width and vocabulary
-    (each rank keeps an equal slice of each); pp at most one stage per layer; cp divides the
-    sequence; ep needs experts."""
+                    dp: int | None = None, dp_replicate: int = 1, name: Namer = config_name) -> list[str]:
+    """What a layout needs of the model: tp divides heads, kv heads, FFN widths and vocabulary
+    (each rank keeps an equal slice of each); pp at most one stage per layer; cp cuts the sequence
+    into 2·cp equal chunks (the causal balance); ep divides the experts and borrows its ranks from
+    data parallelism, so it divides dp (within an HSDP group: dp / dp_replicate)."""
     p: list[str] = []
+    moe = field_of(shape, "n_experts") > 0
+    widths = ("ffn_dim", "expert_ffn_dim") if moe and field_of(shape, "expert_ffn_dim") else ("ffn_dim",)
     heads = ("n_heads", "n_kv_heads") if shape.n_heads % tp or shape.n_kv_heads % tp else ()
-    undivided = [*heads, *(f for f in ("ffn_dim", "vocab_size") if getattr(shape, f) % tp)]
+    undivided = [*heads, *(f for f in (*widths, "vocab_size") if getattr(shape, f) % tp)]
     if undivided:
         listed = [f"{name('model.' + f)}={getattr(shape, f)}" for f in undivided]
         joined = listed[0] if len(listed) == 1 else ", ".join(listed[:-1]) + " and " + listed[-1]
         p.append(f"{name('parallel.tp')}={tp} does not divide {joined}")
     if pp > shape.n_layers:
         p.append(f"{name('parallel.pp')}={pp} exceeds {name('model.n_layers')}={shape.n_layers}")
-    if seq is not None and seq % cp:
-        p.append(f"{name('parallel.cp')}={cp} does not divide the sequence length {seq}")
-    if ep > 1 and getattr(shape, "n_experts", 0) <= 1:
+    if cp > 1 and seq is not None and seq % (2 * cp):
+        p.append(f"{name('parallel.cp')}={cp} does not divide the sequence length {seq} into 2·cp = {2 * cp} equal "
+                 "chunks (the causal balance gives each context-parallel rank two of them)")
+    if cp > 1 and pp > 1:
+        p.append(f"{name('parallel.cp')}={cp} with {name('parallel.pp')}={pp}: context parallelism does not run "
+                 "inside pipeline stages in this build; use one of them")
+    if cp > 1 and field_of(shape, "attn_softcap") > 0:
+        p.append(f"{name('parallel.cp')}={cp} needs fused attention, which has no soft-cap: set "
+                 f"{name('model.attn_softcap')} 0")
+    if ep > 1 and not moe:
         p.append(f"{name('parallel.ep')}={ep} needs a mixture-of-experts model; this model is dense "
                  f"(use {name('parallel.ep')}=1)")
+    elif ep > 1:
+        if shape.n_experts % ep:
+            p.append(f"{name('parallel.ep')}={ep} does not divide {name('model.n_experts')}={shape.n_experts} "
+                     "(each expert-parallel rank holds an equal share of the experts)")
+        group = None if dp is None else dp // max(dp_replicate, 1)
+        if group is not None and group % ep:
+            within = f" / {name('parallel.dp_replicate')}={dp_replicate}" if dp_replicate > 1 else ""
+            p.append(f"{name('parallel.ep')}={ep} does not divide {name('parallel.dp')}={dp}{within}: expert "
+                     f"parallelism borrows its ranks from data parallelism (the world stays dp × tp × pp × cp)")
     return p
 
 

@@ -10,6 +10,11 @@ Cost model (per optimizer step, every GPU busy in lock-step; constants are the `
   TP        per layer and micro-batch 4 all-reduces (2 forward, 2 backward; 6 with full recompute)
             of p·T·h bytes, each moving 2(t−1)/t of it over the intra-node link; not overlapped.
             (With SP: 4 all-gathers + 4 reduce-scatters, the same bytes.)
+  EP        a mixture of experts' all-to-all (planning.experts.all_to_all_seconds): per MoE layer and
+            micro-batch the rank's k·T routed slots of p·h bytes go to their experts and back, in
+            forward and backward, (ep−1)/ep of them off the rank, over the link the ep group spans
+            (ep ranks are neighbouring data-parallel ranks); not overlapped. FLOPs count the active
+            parameters only (flops.py), so a MoE layout's MFU is against its active compute.
   CP        ring attention passes K and V (p·T·2kv/t) cp−1 times forward and twice that backward,
             hidden behind the attention's own compute up to the overlap fraction.
   PP        each micro-batch sends its activations forward and gradients back (p·T·h each, once per
@@ -20,7 +25,8 @@ Cost model (per optimizer step, every GPU busy in lock-step; constants are the `
   DP/ZeRO   ZeRO-0/1/2: one all-reduce (or reduce-scatter + all-gather) of the gradients per step,
             2(n−1)/n × params × grad bytes, overlapped with the last micro-batch's backward;
             ZeRO-3 (FSDP): per micro-batch, parameters all-gathered for forward and backward and
-            gradients reduce-scattered (≈ 1.5× the DP volume each time), overlapped with compute.
+            gradients reduce-scattered (≈ 1.5× the DP volume each time), overlapped with compute;
+            split experts stay on their ranks, only their gradients are all-reduced, once per step.
   Links: a group whose ranks fit in one node (ranks ordered tp, cp, dp, pp — tp innermost) uses
   the intra-node bandwidth, otherwise the per-GPU inter-node bandwidth. Every collective also
   pays a latency (10 µs inside a node, 30 µs across nodes — assumed, typical NCCL small-message
@@ -30,11 +36,13 @@ Rank by tokens/s per GPU (the same order as MFU); ties go to the layout with les
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
 from ultratron.errors import UserError
 from ultratron.planning import rules
+from ultratron.planning.experts import all_to_all_seconds, is_moe
 from ultratron.planning.flops import training_flops_per_token
 from ultratron.planning.hardware import Accelerator
 from ultratron.planning.memory import GiB, Layout, MemoryBreakdown, check_layout, estimate_memory
@@ -85,8 +93,10 @@ class Estimate:
     tokens_per_s_per_gpu: float = 0.0
     mfu: float = 0.0
     reasons: list[str] = field(default_factory=list)
+    ep_comm_s: float = 0.0
 
-    TIME_TERMS = ("compute_s", "tp_comm_s", "cp_exposed_s", "pp_comm_s", "bubble_s", "dp_comm_s", "dp_exposed_s")
+    TIME_TERMS = ("compute_s", "tp_comm_s", "cp_exposed_s", "ep_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s",
+                  "dp_exposed_s")
 
     def as_dict(self) -> dict:
         """What `plan estimate --json` prints for a layout (and `plan search --json` for each it ranks):
@@ -96,7 +106,8 @@ class Estimate:
             "peak_bytes": self.memory.peak_bytes, "step_seconds": self.step_s,
             "tokens_per_sec_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
             "memory": self.memory.as_dict(),
-            # step_seconds = compute + TP + CP exposed + PP p2p + bubble + DP exposed (dp_comm_s: before overlap)
+            # step_seconds = compute + TP + CP exposed + EP all-to-all + PP p2p + bubble + DP exposed
+            # (dp_comm_s: before overlap)
             "time": {term: getattr(self, term) for term in self.TIME_TERMS},
             "reasons": self.reasons,
         }
@@ -157,8 +168,11 @@ def enumerate_layouts(spec: SearchSpec):
                 if pp > shape.n_layers:
                     continue
                 dp = n // (tp * cp * pp)
-                if sequences % dp:
+                if sequences % dp or layout_problems(shape, tp=tp, pp=pp, cp=cp, seq=spec.seq, dp=dp):
                     continue
+                # expert parallel for a mixture of experts: ep of the dp ranks, dividing the experts
+                eps = _trainer_runs("ep", [ep for ep in _powers_of_two(dp) if not layout_problems(shape, ep=ep, dp=dp)]
+                                    if is_moe(shape) else [1])
                 per_rank = sequences // dp
                 # every schedule the trainer runs; the looped ones with 2 or 4 stages per rank
                 schedules = [("1f1b", 0)] if pp == 1 else [(s, v) for s in SCHEDULES for v in (
@@ -167,17 +181,15 @@ def enumerate_layouts(spec: SearchSpec):
                     if per_rank % mbs:
                         continue
                     grad_acc = per_rank // mbs
-                    for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
-                        for recompute in ("none", "selective", "full"):
-                            for schedule, v in schedules:
-                                # the trainer's own rules: stages per rank, micro-batches, zero 3, recompute
-                                if pipeline_problems(shape, pp=pp, schedule=schedule, virtual_stages=v,
-                                                     micro_batches=grad_acc, dp=dp * cp, zero=zero,
-                                                     recompute=recompute):
-                                    continue
-                                yield Layout(dp=dp, zero=zero, tp=tp, sp=tp > 1, pp=pp, pp_schedule=schedule,
-                                             virtual_stages=v, cp=cp, mbs=mbs, grad_acc=grad_acc, seq=spec.seq,
-                                             recompute=recompute, precision=spec.precision)
+                    for zero, recompute, (schedule, v), ep in itertools.product(
+                            (0, 1, 2, 3) if dp * cp > 1 else (0,), ("none", "selective", "full"), schedules, eps):
+                        # the trainer's own rules: stages per rank, micro-batches, zero 3, recompute
+                        if pipeline_problems(shape, pp=pp, schedule=schedule, virtual_stages=v,
+                                             micro_batches=grad_acc, dp=dp * cp, zero=zero, recompute=recompute):
+                            continue
+                        yield Layout(dp=dp, zero=zero, tp=tp, sp=tp > 1, pp=pp, pp_schedule=schedule,
+                                     virtual_stages=v, cp=cp, ep=ep, mbs=mbs, grad_acc=grad_acc, seq=spec.seq,
+                                     recompute=recompute, precision=spec.precision)
 
 
 def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | None = None) -> Estimate:
@@ -215,6 +227,9 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
         ring_s = m * layers * hops * (chunk / _bandwidth(spec, span) + _latency(spec, span))
         attention_share = 12 * shape.n_layers * h * layout.seq / model_flops_per_token
         cp_exposed = max(0.0, ring_s - spec.overlap * compute * attention_share)
+    ep_span = layout.tp * layout.cp * layout.ep
+    ep_comm = m * all_to_all_seconds(shape, micro_tokens, p, layout.ep, layers, _bandwidth(spec, ep_span),
+                                     _latency(spec, ep_span), layout.recompute)
     pp_comm = 0.0
     if layout.pp > 1:
         span = 2 * layout.tp * layout.cp * layout.dp  # two neighbouring stages
@@ -222,7 +237,7 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
         pp_comm = sends * (p * micro_tokens * h / _bandwidth(spec, span) + _latency(spec, span))
     # the schedule's published bubble (planning.pipeline.bubble_fraction; measured: docs/parallel.md)
     bubble_fraction = bubble_fraction_of(layout.pp_schedule, layout.pp, layout.virtual_stages, m)
-    pipelined = compute + tp_comm + cp_exposed + pp_comm
+    pipelined = compute + tp_comm + cp_exposed + pp_comm + ep_comm
     bubble = pipelined * bubble_fraction
 
     group = layout.dp * layout.cp
@@ -237,12 +252,15 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
             dp_comm = 2 * ring * params * grad_bytes / link + latency * params * grad_bytes / 25e6
             dp_exposed = max(0.0, dp_comm - spec.overlap * per_micro * 2 / 3)
         else:  # per layer: gather for forward, gather for backward, reduce-scatter
-            dp_comm = m * (ring * params * (2 * p + grad_bytes) / link + 3 * layers * latency)
+            # (split experts stay on their ranks: only their gradients are all-reduced, once per step)
+            experts = memory.extra.get("expert_params_on_gpu", 0.0)
+            dp_comm = m * (ring * (params - experts) * (2 * p + grad_bytes) / link + 3 * layers * latency)
+            dp_comm += 2 * ring * experts * grad_bytes / link
             dp_exposed = max(0.0, dp_comm - spec.overlap * compute)
     step = pipelined + bubble + dp_exposed
     tokens_per_s_per_gpu = tokens / step / spec.n_gpus
     est = Estimate(layout, memory, compute, tp_comm, cp_exposed, pp_comm, bubble, dp_comm, dp_exposed, step,
-                   tokens_per_s_per_gpu, tokens_per_s_per_gpu * model_flops_per_token / peak)
+                   tokens_per_s_per_gpu, tokens_per_s_per_gpu * model_flops_per_token / peak, ep_comm_s=ep_comm)
     est.reasons = _reasons(spec, est, bubble_fraction)
     return est
 
@@ -255,11 +273,12 @@ def _reasons(spec: SearchSpec, est: Estimate, bubble_fraction: float) -> list[st
         f"activations {(mem.activations + mem.loss_logits) / GiB:.1f}, "
         f"other {(mem.comm_buffers + mem.transient) / GiB:.1f}",
         f"step {est.step_s:.2f} s = compute {est.compute_s:.2f} + TP {est.tp_comm_s:.2f} "
-        f"+ CP {est.cp_exposed_s:.2f} "
+        f"+ CP {est.cp_exposed_s:.2f} " + (f"+ EP all-to-all {est.ep_comm_s:.2f} " if est.ep_comm_s else "") +
         f"+ PP p2p {est.pp_comm_s:.2f} + bubble {est.bubble_s:.2f} ({bubble_fraction:.0%}) "
         f"+ DP exposed {est.dp_exposed_s:.2f} (of {est.dp_comm_s:.2f})",
     ]
     overheads = {"tensor-parallel all-reduces": est.tp_comm_s, "context-parallel ring": est.cp_exposed_s,
+                 "expert-parallel all-to-all": est.ep_comm_s,
                  "pipeline bubble": est.bubble_s + est.pp_comm_s, "data-parallel sync": est.dp_exposed_s}
     worst, worst_s = max(overheads.items(), key=lambda kv: kv[1])
     if worst_s > 0.01 * est.step_s:
@@ -285,7 +304,7 @@ def _reasons(spec: SearchSpec, est: Estimate, bubble_fraction: float) -> list[st
 
 
 def _complexity(layout: Layout) -> tuple:
-    axes = (layout.tp > 1) + (layout.pp > 1) + (layout.cp > 1)
+    axes = (layout.tp > 1) + (layout.pp > 1) + (layout.cp > 1) + (layout.ep > 1)
     schedule = SCHEDULES.index(layout.pp_schedule) if layout.pp > 1 else 0
     return axes, layout.zero, ("none", "selective", "full").index(layout.recompute), layout.stages_per_rank, schedule
 

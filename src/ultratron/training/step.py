@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ultratron.parallel.context_parallel import shard_batch, sharded
 from ultratron.parallel.data_parallel import average_over_dp
 from ultratron.parallel.dims import ParallelDims
-from ultratron.parallel.parallelize import micro_batch
+from ultratron.parallel.parallelize import after_backward, micro_batch
 from ultratron.parallel.pipeline import TiedGradients, broadcast_from_last, build_schedule, forward_only
 from ultratron.parallel.tensor_parallel import local_value, loss_context
 from ultratron.training.loss import cross_entropy
@@ -35,6 +36,10 @@ class StepStrategy(Protocol):
     def sampling_model(self):
         """What `models.sampling.generate` calls for logits (every rank takes part)."""
 
+    def loss_weight(self, n_micro_batches: int) -> float:
+        """The weight one micro-batch's loss has in the gradients backward accumulates (what a
+        gradient injected in backward, such as the MoE balancing loss's, is scaled by)."""
+
 
 class GradAccumStep:
     def __init__(self, model: nn.Module, dims: ParallelDims, device: torch.device, precision: str, z_loss: float):
@@ -42,24 +47,39 @@ class GradAccumStep:
         self.precision, self.z_loss = precision, z_loss
 
     def forward_backward(self, next_batch, n_micro_batches: int) -> float:
+        """Under context parallel each rank runs its shard of the sequences (tokens, targets and
+        positions alike) and the loss is averaged over dp × cp."""
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(n_micro_batches):
-            inputs, targets = (t.to(self.device, non_blocking=True) for t in next_batch())
+            inputs, targets, positions = shard_batch(*(t.to(self.device, non_blocking=True) for t in next_batch()),
+                                                     self.dims)
             with micro_batch(self.model, self.dims, last=micro == n_micro_batches - 1):
                 with autocast(self.precision, self.device):
-                    logits = self.model(inputs)
+                    logits = self.model(inputs, positions=positions)
                 loss, ce = cross_entropy(logits, targets, self.z_loss)
                 (loss / n_micro_batches).backward()
             loss_sum += local_value(ce.detach())
+        after_backward(self.model, self.dims)
         return float(average_over_dp(loss_sum, self.dims) / n_micro_batches)
+
+    def loss_weight(self, n_micro_batches: int) -> float:
+        return 1.0 / n_micro_batches
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Eval mode: full logits on every tp rank; under context parallel each rank its shard, the
+        loss averaged over the cp ranks (the dp ranks validate the same batch)."""
         self.model.eval()
-        with autocast(self.precision, self.device):
-            logits = self.model(inputs.to(self.device))
-        return float(cross_entropy(logits, targets.to(self.device))[1])  # eval mode: full logits on every rank
+        inputs, targets, positions = shard_batch(inputs.to(self.device), targets.to(self.device), self.dims)
+        with autocast(self.precision, self.device), sharded(self.model):
+            logits = self.model(inputs, positions=positions)
+        loss = cross_entropy(logits, targets)[1]
+        if self.dims.cp > 1:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=self.dims.cp_mesh.get_group())
+            loss /= self.dims.cp
+        return float(loss)
 
     @property
     def sampling_model(self) -> nn.Module:
@@ -100,11 +120,15 @@ class PipelineStep:
             self.schedule.step(*([inputs] if self.pipeline.holds_first else []), return_outputs=False,
                                target=targets if self.pipeline.holds_last else None)
         self.tied()
+        after_backward(self.model, self.dims)
         mean = torch.zeros((), device=self.device)
         if self.pipeline.holds_last:  # (metadata inference on the first step computes one loss more)
             mean = torch.stack(self._losses[-n_micro_batches:]).mean().float()
         dist.all_reduce(mean, group=self.dims.pp_group)  # only the last stage's rank adds a value
         return float(average_over_dp(mean, self.dims))
+
+    def loss_weight(self, n_micro_batches: int) -> float:
+        return 1.0  # torch's schedule divides the gradients by the micro-batch count after backward
 
     def _train(self, mode: bool) -> None:
         self.model.train(mode)

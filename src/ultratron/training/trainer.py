@@ -33,6 +33,7 @@ from ultratron.training.checkpointing import CheckpointPolicy, with_init_tokeniz
 from ultratron.training.health import HealthMonitor
 from ultratron.training.metrics import write_memory_peak
 from ultratron.training.mfu import MfuMeter
+from ultratron.training.moe import RouterStats
 from ultratron.training.optim import build_optimizer, lr_at, set_lr
 from ultratron.training.periodic_eval import PeriodicEvaluator
 from ultratron.training.profiling import StepProfiler
@@ -92,6 +93,7 @@ class Trainer:
         self.optimizer = wrap_optimizer(build_optimizer(self.model, cfg.optim), self.dims)
         self.batch = BatchSchedule.from_config(cfg)  # tokens per step: fixed, or a ramp
         self.strategy = step_strategy(self.model, self.dims, self.device, t.precision, t.z_loss)
+        self.routers = RouterStats(self.model, self.dims, self.strategy.loss_weight(cfg.grad_accum_steps))
         self.state = TrainState(self.train_loader, to_dict(cfg))
         self.validator = Validator(lambda: open_loader(self.data, "val", seq_len=t.seq_len,
                                                        micro_batch_size=t.micro_batch_size, seed=t.seed),
@@ -101,7 +103,7 @@ class Trainer:
                                             ModelState(self.model, self.optimizer), self.state, self.files, self.log)
         self.guard = StabilityGuard(cfg, self.checkpoints, self.train_loader, self.log)
         counts = count_params_of(cfg.model)
-        self.n_params = counts.total
+        self.n_params, self.n_active = counts.total, counts.active
         self.flops_per_token = training_flops_per_token(counts, vocab_size=cfg.model.vocab_size, dim=cfg.model.dim,
                                                         n_layers=cfg.model.n_layers, seq_len=t.seq_len)
         self.mfu = MfuMeter(self.device, t.precision, self.flops_per_token, self.dims.world_size, self.log)
@@ -168,7 +170,9 @@ class Trainer:
         # under a ramp the schedule follows tokens: the same LR at the same tokens, whatever the ramp
         lr = lr_at(seen / cfg.training.batch_tokens if self.batch.ramped else self.step, cfg.training.steps, cfg.optim)
         set_lr(self.optimizer, lr)
-        loss = self.strategy.forward_backward(self.train_loader.next_batch, tokens // self.batch.unit)
+        n_micro_batches = tokens // self.batch.unit  # this step's, which a batch ramp varies
+        self.routers.before_step(self.strategy.loss_weight(n_micro_batches))
+        loss = self.strategy.forward_backward(self.train_loader.next_batch, n_micro_batches)
         max_norm = cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf
         grad_norm = float(clip_grad_norm(self.model.parameters(), max_norm, self.dims.pp_group,
                                          uncounted=tied_copies(self.model)))
@@ -177,6 +181,7 @@ class Trainer:
             self.checkpoints.before_update()  # an asynchronous save may still be copying the weights
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        moe = self.routers.after_step(n_micro_batches)
         self.state.step += 1
         self.state.tokens += tokens
         elapsed = time.perf_counter() - start
@@ -184,7 +189,7 @@ class Trainer:
         tokens_per_sec = tokens / elapsed
         return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                 "tokens": self.state.tokens, "tokens_per_sec": tokens_per_sec,
-                "step_time": elapsed, "mfu": self.mfu(tokens_per_sec), **self.train_loader.metrics()} | (
+                "step_time": elapsed, "mfu": self.mfu(tokens_per_sec), **self.train_loader.metrics(), **moe} | (
                     {"skipped": 1} if skipped else {}) | ({"batch_tokens": tokens} if self.batch.ramped else {})
 
     def _validate(self, record_alone: bool = False) -> float | None:
@@ -199,7 +204,8 @@ class Trainer:
     def _describe(self) -> None:
         cfg, t = self.cfg, self.cfg.training
         dp = f" × dp {cfg.parallel.dp}" if cfg.parallel.dp > 1 else ""
-        self.log(f"model: {self.n_params:,} parameters; {self.flops_per_token:.3g} training FLOPs/token; "
+        active = f" ({self.n_active:,} active per token)" if self.n_active != self.n_params else ""
+        self.log(f"model: {self.n_params:,} parameters{active}; {self.flops_per_token:.3g} training FLOPs/token; "
                  f"batch {t.batch_tokens:,} tokens = {cfg.grad_accum_steps} × {t.micro_batch_size} × {t.seq_len}{dp}; "
                  f"device {self.device}; precision {t.precision}")
         self.log(f"mfu: peak {self.mfu.peak / 1e12:.3g} TFLOP/s ({self.mfu.source})")

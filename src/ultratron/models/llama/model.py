@@ -3,7 +3,11 @@
 Options beyond Llama 3: QK-norm (RMSNorm on queries and keys per head, as in OLMo 2 / Gemma 3),
 attention-logit and final-logit soft-capping (Gemma 2: cap · tanh(x / cap)), biases on the q/k/v
 projections (Qwen2), and RoPE frequency scaling (`linear`, Llama 3.1's `llama3`) for imported
-models. This module knows nothing about parallelism; `ultratron.parallel` applies it from outside.
+models, a head width of its own (Qwen3), and mixture-of-experts layers in place of the dense SwiGLU
+(`ultratron.models.moe`; Mixtral, Qwen3-MoE, DeepSeek-V3-like shapes). This module knows nothing
+about parallelism; `ultratron.parallel` applies it from outside — it may swap each attention's
+`attend` function (context parallel) and each MoE layer's `dispatch` (expert parallel), and hand
+the forward the positions of a sequence shard.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ultratron.models.moe import MoE
 
 
 @dataclass
@@ -35,16 +41,29 @@ class LlamaArgs:
     qkv_bias: bool = False
     rope_scaling: str = "none"  # none | linear | llama3
     rope_scaling_params: dict | None = None  # factor; llama3: low/high_freq_factor, original_max_position_embeddings
+    head_dim: int = 0  # 0: dim // n_heads
+    n_experts: int = 0  # 0: dense SwiGLU layers; else mixture-of-experts layers (models/moe.py)
+    n_active_experts: int = 0
+    n_shared_experts: int = 0
+    expert_ffn_dim: int = 0  # 0: ffn_dim
+    n_dense_layers: int = 0  # the first layers stay dense
+    router_score: str = "softmax"
+    router_norm_topk: bool = True
+    moe_aux_loss: float = 0.01
+    moe_bias_update: float = 0.0
+    moe_capacity_factor: float = 0.0
+
+    def __post_init__(self):
+        self.head_dim = self.head_dim or self.dim // self.n_heads
 
     @classmethod
     def from_config(cls, model_cfg) -> LlamaArgs:
-        """From a resolved `ultratron.config.ModelConfig`."""
+        """From a resolved `ultratron.config.ModelConfig` (an optional field left None keeps its default)."""
         names = cls.__dataclass_fields__
-        return cls(**{name: getattr(model_cfg, name) for name in names})
+        return cls(**{name: getattr(model_cfg, name) for name in names if getattr(model_cfg, name, None) is not None})
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def is_moe_layer(self, index: int) -> bool:
+        return self.n_experts > 0 and index >= self.n_dense_layers
 
 
 class RMSNorm(nn.Module):
@@ -108,7 +127,7 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return cap * torch.tanh(x / cap) if cap > 0 else x
 
 
-def _sdpa(q, k, v, mask, groups: int) -> torch.Tensor:
+def sdpa_attention(q, k, v, mask, groups: int) -> torch.Tensor:
     """Scaled dot-product attention: causal, or with an explicit mask (KV-cache inference).
 
     On CPU, bf16 inputs run in fp32: PyTorch's CPU flash-attention backward is ~2.7× slower in
@@ -118,7 +137,7 @@ def _sdpa(q, k, v, mask, groups: int) -> torch.Tensor:
     dtype = q.dtype
     if q.device.type == "cpu" and dtype == torch.bfloat16:
         with torch.autocast("cpu", enabled=False):
-            out = _sdpa(q.float(), k.float(), v.float(), mask, groups)
+            out = sdpa_attention(q.float(), k.float(), v.float(), mask, groups)
         return out.to(dtype)
     if mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
@@ -141,6 +160,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # (q, k, v, mask, groups) → output, all (batch, heads, seq, head_dim); context parallel swaps it
+        self.attend = sdpa_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -159,7 +180,7 @@ class Attention(nn.Module):
         if self.softcap > 0:
             out = self._softcapped_attention(q, k, v, groups, mask)
         else:
-            out = _sdpa(q, k, v, mask, groups)
+            out = self.attend(q, k, v, mask, groups)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _softcapped_attention(self, q, k, v, groups: int, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,13 +210,21 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def moe_layer(args: LlamaArgs) -> MoE:
+    hidden = args.expert_ffn_dim or args.ffn_dim
+    shared = FeedForward(args.dim, args.n_shared_experts * hidden) if args.n_shared_experts else None
+    return MoE(args.dim, args.n_experts, args.n_active_experts, hidden, shared, score=args.router_score,
+               norm_topk=args.router_norm_topk, aux_loss=args.moe_aux_loss, bias_update=args.moe_bias_update,
+               capacity_factor=args.moe_capacity_factor)
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, index: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.feed_forward = moe_layer(args) if args.is_moe_layer(index) else FeedForward(args.dim, args.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, cache)
@@ -208,7 +237,7 @@ class Llama(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by layer index keeps names stable when pipeline stages drop layers.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -230,19 +259,23 @@ class Llama(nn.Module):
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.w2", "shared.w2.weight")):
                 nn.init.normal_(param, mean=0.0, std=residual_std)
             else:
                 nn.init.normal_(param, mean=0.0, std=std)
 
-    def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache=None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (batch, seq) → logits (batch, seq, vocab). `cache` (inference only, e.g.
-        `ultratron.inference.kv_cache.KVCache`) supplies each row's positions and keeps keys/values."""
+        `ultratron.inference.kv_cache.KVCache`) supplies each row's positions and keeps keys/values;
+        `positions` (seq,) are the tokens' positions when they are not 0, 1, ... (a shard of a longer
+        sequence, as context parallelism hands each rank)."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.args.max_seq_len}")
         x = self.tok_embeddings(tokens)
-        if cache is None:
+        if cache is None and positions is not None:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        elif cache is None:
             cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         else:
             positions = cache.positions(seq)  # (batch, seq)

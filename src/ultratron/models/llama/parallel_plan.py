@@ -7,7 +7,11 @@ row-parallel, so each half-block needs one all-reduce in forward. With sequence 
 (Korthikanti et al. 2022) the norms and residual stream are split along the sequence instead, the
 all-reduce becomes a reduce-scatter after wo/w2 and an all-gather before wq/w1. The embedding is
 vocab-parallel (rows split over ranks); the output head is column-parallel over the vocabulary
-and keeps its logits sharded for `loss_parallel`.
+and keeps its logits sharded for `loss_parallel`. A mixture-of-experts layer takes the whole
+(gathered) tokens as a plain tensor: its router is replicated, its shared experts are column- then
+row-parallel like the dense SwiGLU, and its routed experts are split by `parallel.expert_parallel`
+(over the hidden width on the tp ranks, over the experts on the ep ranks); under sequence parallel
+its output is cut back to the rank's part of the sequence.
 
 Pipeline parallel: a `LlamaStage` holds a run of the blocks, with the embedding on the first stage
 and the final norm and head on the last, under the full model's attribute names, so parameter
@@ -25,11 +29,13 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
 
 from ultratron.models.llama.model import softcap
+from ultratron.models.moe import MoE
 from ultratron.models.plan import ParallelPlan
 
 
@@ -38,8 +44,8 @@ def blocks(model: nn.Module) -> nn.ModuleDict:
     return model.layers
 
 
-def tensor_parallel(sp: bool) -> tuple[dict, dict]:
-    """(plan for the root module, plan for each block) for DTensor's `parallelize_module`."""
+def tensor_parallel(sp: bool):
+    """(plan for the root module, block → its plan) for DTensor's `parallelize_module`."""
     residual = Shard(1) if sp else Replicate()  # how the residual stream lives between blocks
     root = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
@@ -61,7 +67,19 @@ def tensor_parallel(sp: bool) -> tuple[dict, dict]:
         root["norm"] = SequenceParallel()
         block["attention_norm"] = SequenceParallel()
         block["ffn_norm"] = SequenceParallel()
-    return root, block
+    moe_block = {name: style for name, style in block.items() if not name.startswith("feed_forward")}
+    moe_block["feed_forward"] = PrepareModuleInputOutput(
+        input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=Replicate(), desired_output_layouts=residual)
+    moe_block |= {"feed_forward.shared.w1": ColwiseParallel(), "feed_forward.shared.w3": ColwiseParallel(),
+                  "feed_forward.shared.w2": RowwiseParallel()}
+
+    def block_plan(module: nn.Module) -> dict:
+        if not isinstance(module.feed_forward, MoE):
+            return block
+        return {k: v for k, v in moe_block.items() if module.feed_forward.shared is not None or ".shared." not in k}
+
+    return root, block_plan
 
 
 def tie_weights(model: nn.Module) -> None:
@@ -112,5 +130,14 @@ def pipeline_stage(model: nn.Module, layer_names: list[str], first: bool, last: 
     return LlamaStage(model, layer_names, first, last)
 
 
+def set_attention(model: nn.Module, attend) -> None:
+    for block in model.layers.values():
+        block.attention.attend = attend
+
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    return [block.feed_forward for block in model.layers.values() if isinstance(block.feed_forward, MoE)]
+
+
 PLAN = ParallelPlan(blocks=blocks, tensor_parallel=tensor_parallel, tie_weights=tie_weights,
-                    pipeline_stage=pipeline_stage)
+                    pipeline_stage=pipeline_stage, set_attention=set_attention, moe_layers=moe_layers)

@@ -1,0 +1,317 @@
+"""Context parallelism: the sequence split over the `cp` ranks, attention computed across them.
+
+Each cp rank holds 2 of the sequence's 2·cp equal chunks — chunk r and chunk 2·cp−1−r (the
+zig-zag / head-tail split of Liu et al. 2023's ring attention as Megatron-LM balances it): under a
+causal mask early tokens attend to little and late ones to much, and the pair gives every rank the
+same work. Token ids, targets and RoPE positions are cut alike (`shard_batch`), so each rank's
+embedding, MLP, loss and RoPE run on its own tokens; only attention needs the others' keys and
+values, in one of two ways (`parallel.cp_attention`):
+
+  ring       K/V blocks travel round the ring in cp−1 steps while each rank attends to the block it
+             holds (the next one is already on its way); the partial outputs are merged by their
+             log-sum-exp: lse = log(e^lse_a + e^lse_b), out = e^(lse_a−lse)·out_a + e^(lse_b−lse)·out_b.
+             With the zig-zag split, block j < r is seen by all local queries but only its first
+             chunk, block j > r by the second local chunk only, both unmasked; block r is causal.
+             Backward sends the blocks round again with their gradient accumulators, which reach
+             their owners after a last hop. Memory: the local q, k, v, output and lse only.
+  allgather  all-gather K and V once (what Llama 3 trained long context with, Dubey et al. 2024:
+             simple, and cheap while GQA keeps K/V small), attend to the causal prefix of each
+             local chunk; backward sums the K/V gradients over the ranks.
+
+Either way the kernel is PyTorch's own fused attention on a block, which returns the log-sum-exp
+and has a backward that takes the merged output and lse (so each block's gradient is exact):
+`_scaled_dot_product_flash_attention_for_cpu` on CPU, the memory-efficient kernel on CUDA (it
+takes fp32 as well as bf16). PyTorch's `context_parallel` has no CPU sharding rule for the CPU
+kernel, hence this module. Grouped-query heads are repeated per block for the kernel and their
+gradients summed back; K/V travel unrepeated.
+
+The attention function is swapped into the model from outside (`ParallelPlan.set_attention`); it
+runs the ring only inside `sharded(model)` — the training step and validation, which hand it
+sharded batches — and plain attention otherwise (sampling runs the whole context on every rank).
+Gradients of every parameter are averaged over dp × cp (FSDP/DDP on the flattened mesh), since the
+cp ranks see different tokens of the same sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ultratron.models.llama.model import sdpa_attention
+from ultratron.models.plan import ParallelPlan
+from ultratron.parallel.dims import ParallelDims
+
+MODES = ("ring", "allgather")
+
+
+# ---- the sequence split -------------------------------------------------------------------------
+
+def shard_positions(seq: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Positions (in the full sequence) of rank's tokens: chunks rank and 2·cp−1−rank."""
+    c = seq // (2 * cp)
+    first = torch.arange(rank * c, (rank + 1) * c, device=device)
+    second = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)
+    return torch.cat([first, second])
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    chunks = x.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=dim)
+
+
+def unshard_sequence(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The full sequence from every rank's shard (the inverse of `shard_sequence`, for tests)."""
+    cp = len(shards)
+    chunks: list = [None] * (2 * cp)
+    for rank, shard in enumerate(shards):
+        chunks[rank], chunks[2 * cp - 1 - rank] = shard.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
+# ---- one block of attention, with its log-sum-exp --------------------------------------------
+
+def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+
+def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Sum the gradients of repeated kv heads back onto their kv head."""
+    if groups == 1:
+        return t
+    b, h, s, d = t.shape
+    return t.view(b, h // groups, groups, s, d).sum(2)
+
+
+def block_forward(q, k, v, causal: bool, groups: int):
+    """(output, lse) of q attending to one block of keys/values; lse (batch, heads, q_len) fp32."""
+    k, v = _repeat(k, groups), _repeat(v, groups)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out, lse.float()
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+    return out, lse[..., :q.shape[2]].float()
+
+
+def block_backward(dout, q, k, v, out, lse, causal: bool, groups: int):
+    """(dq, dk, dv) of one block, given the merged output and lse of the whole attention."""
+    kr, vr = _repeat(k, groups), _repeat(v, groups)
+    out = out.to(q.dtype)
+    if q.device.type == "cpu":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.to(q.dtype), q, kr, vr, out, lse.contiguous(), 0.0, causal)
+    else:
+        pad = -lse.shape[-1] % 32  # the efficient kernel's lse rows come in blocks of 32
+        lse = torch.nn.functional.pad(lse, (0, pad)).contiguous()
+        empty = torch.empty(0, device=q.device, dtype=torch.int64)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout.to(q.dtype).contiguous(), q, kr, vr, torch.empty(0, device=q.device), out, lse, empty, empty, 0.0,
+            [True, True, True, False], causal)
+    return dq.float(), _fold(dk, groups).float(), _fold(dv, groups).float()
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
+    """Combine two partial attentions over disjoint keys by their log-sum-exps (fp32)."""
+    new = torch.logaddexp(lse, block_lse)
+    out = out * torch.exp(lse - new).unsqueeze(-1) + block_out.float() * torch.exp(block_lse - new).unsqueeze(-1)
+    return out, new
+
+
+# ---- the ring --------------------------------------------------------------------------------
+
+def _exchange(tensor: torch.Tensor, group, rank: int, cp: int, tag: int = 0) -> tuple[torch.Tensor, list]:
+    """Send `tensor` to the next cp rank and receive the previous one's, asynchronously."""
+    received = torch.empty_like(tensor)
+    nxt, prev = dist.get_global_rank(group, (rank + 1) % cp), dist.get_global_rank(group, (rank - 1) % cp)
+    ops = [dist.P2POp(dist.isend, tensor.contiguous(), nxt, group, tag),
+           dist.P2POp(dist.irecv, received, prev, group, tag)]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(requests: list) -> None:
+    for request in requests:
+        request.wait()
+
+
+def _empty_output(q: torch.Tensor):
+    """The fp32 output accumulator (batch, heads, seq, head_dim) laid out as (batch, seq, heads, head_dim)
+    in memory, as PyTorch's kernels return it, so the model's transpose back is a view, not a copy;
+    and the log-sum-exp, -inf where nothing has been attended yet."""
+    b, h, s, d = q.shape
+    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
+    return out, torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, groups: int, group, rank: int, cp: int):
+        c = q.shape[2] // 2
+        out, lse = _empty_output(q)
+        kv = torch.stack([k, v])
+        for step in range(cp):
+            if step < cp - 1:
+                incoming, requests = _exchange(kv, group, rank, cp)
+            source = (rank - step) % cp
+            if step == 0:
+                out, lse = merge(out, lse, *block_forward(q, kv[0], kv[1], True, groups))
+            elif source < rank:  # its first chunk precedes both of ours; its second follows both
+                out, lse = merge(out, lse, *block_forward(q, kv[0, :, :, :c], kv[1, :, :, :c], False, groups))
+            else:  # both its chunks precede our second chunk and follow our first
+                part = block_forward(q[:, :, c:], kv[0], kv[1], False, groups)
+                out[:, :, c:], lse[:, :, c:] = merge(out[:, :, c:], lse[:, :, c:], *part)
+            if step < cp - 1:
+                _wait(requests)
+                kv = incoming
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.groups, ctx.group, ctx.rank, ctx.cp = groups, group, rank, cp
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        groups, group, rank, cp = ctx.groups, ctx.group, ctx.rank, ctx.cp
+        c = q.shape[2] // 2
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its block
+        for step in range(cp):
+            if step < cp - 1:
+                incoming, requests = _exchange(kv, group, rank, cp)
+            source = (rank - step) % cp
+            if step == 0:
+                g = block_backward(dout, q, kv[0], kv[1], out, lse, True, groups)
+                dq += g[0]
+                dkv[0] += g[1]
+                dkv[1] += g[2]
+            elif source < rank:
+                g = block_backward(dout, q, kv[0, :, :, :c], kv[1, :, :, :c], out, lse, False, groups)
+                dq += g[0]
+                dkv[0, :, :, :c] += g[1]
+                dkv[1, :, :, :c] += g[2]
+            else:
+                g = block_backward(dout[:, :, c:], q[:, :, c:], kv[0], kv[1], out[:, :, c:], lse[:, :, c:], False,
+                                   groups)
+                dq[:, :, c:] += g[0]
+                dkv[0] += g[1]
+                dkv[1] += g[2]
+            dkv, dkv_requests = _exchange(dkv, group, rank, cp, tag=1)  # on to the next rank; the last hop: home
+            _wait(dkv_requests)
+            if step < cp - 1:
+                _wait(requests)
+                kv = incoming
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, groups: int, group, rank: int, cp: int):
+        full = _gather_natural(torch.stack([k, v]), group, cp)  # (2, b, kv heads, seq, d) in sequence order
+        c = q.shape[2] // 2
+        out, lse = _empty_output(q)
+        for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
+            rows = slice(half * c, (half + 1) * c)
+            for keys, causal in ((slice(0, chunk * c), False), (slice(chunk * c, (chunk + 1) * c), True)):
+                if keys.stop > keys.start:
+                    part = block_forward(q[:, :, rows], full[0, :, :, keys], full[1, :, :, keys], causal, groups)
+                    out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], *part)
+        ctx.save_for_backward(q, full, out, lse)
+        ctx.groups, ctx.group, ctx.rank, ctx.cp = groups, group, rank, cp
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, full, out, lse = ctx.saved_tensors
+        groups, group, rank, cp = ctx.groups, ctx.group, ctx.rank, ctx.cp
+        c = q.shape[2] // 2
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dfull = torch.zeros(full.shape, dtype=torch.float32, device=q.device)
+        for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
+            rows = slice(half * c, (half + 1) * c)
+            for keys, causal in ((slice(0, chunk * c), False), (slice(chunk * c, (chunk + 1) * c), True)):
+                if keys.stop > keys.start:
+                    g = block_backward(dout[:, :, rows], q[:, :, rows], full[0, :, :, keys], full[1, :, :, keys],
+                                       out[:, :, rows], lse[:, :, rows], causal, groups)
+                    dq[:, :, rows] += g[0]
+                    dfull[0, :, :, keys] += g[1]
+                    dfull[1, :, :, keys] += g[2]
+        dist.all_reduce(dfull, group=group)  # every rank's queries' share of each key and value
+        mine = shard_sequence(dfull, cp, rank, dim=3)
+        return dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None, None, None, None
+
+
+def _gather_natural(kv: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """Every rank's (zig-zag) shard of K and V, put back in sequence order."""
+    shards = [torch.empty_like(kv) for _ in range(cp)]
+    dist.all_gather(shards, kv.contiguous(), group=group)
+    return unshard_sequence(shards, dim=3)
+
+
+class ContextParallelAttention:
+    """The attention function of every block under context parallel: across the cp ranks while
+    `active` (inside `sharded`), plain attention otherwise."""
+
+    def __init__(self, group, rank: int, cp: int, mode: str = "ring"):
+        if mode not in MODES:
+            raise ValueError(f"context-parallel attention {mode!r}: one of {', '.join(MODES)}")
+        self.group, self.rank, self.cp, self.mode = group, rank, cp, mode
+        self.active = False
+
+    def __call__(self, q, k, v, mask, groups: int) -> torch.Tensor:
+        if not self.active or mask is not None:
+            return sdpa_attention(q, k, v, mask, groups)
+        dtype = q.dtype
+        if q.device.type == "cpu" and dtype == torch.bfloat16:  # as sdpa_attention: fp32 on CPU
+            q, k, v = q.float(), k.float(), v.float()
+        with torch.autocast(q.device.type, enabled=False):
+            fn = _Ring if self.mode == "ring" else _AllGather
+            return fn.apply(q, k, v, groups, self.group, self.rank, self.cp).to(dtype)
+
+
+# ---- applying it -----------------------------------------------------------------------------
+
+def apply_context_parallel(model: nn.Module, dims: ParallelDims, plan: ParallelPlan, mode: str = "ring") -> nn.Module:
+    """Give every block the context-parallel attention; `model.context_parallel` holds it."""
+    if dims.cp == 1:
+        return model
+    group = dims.cp_mesh.get_group()
+    attention = ContextParallelAttention(group, dims.cp_rank, dims.cp, mode)
+    plan.set_attention(model, attention)
+    model.context_parallel = attention
+    for moe in plan.moe_layers(model):  # the balancing loss counts the whole micro-batch's routing
+        moe.router.share_counts = partial(_summed, group=group)
+    return model
+
+
+def _summed(counts: torch.Tensor, group) -> torch.Tensor:
+    counts = counts.clone()
+    dist.all_reduce(counts, group=group)
+    return counts
+
+
+def context_parallel_of(model: nn.Module) -> ContextParallelAttention | None:
+    return getattr(getattr(model, "module", model), "context_parallel", None)
+
+
+@contextlib.contextmanager
+def sharded(model: nn.Module):
+    """Within: attention runs across the cp ranks (the inputs are this rank's shards)."""
+    attention = context_parallel_of(model)
+    if attention is None:
+        yield
+        return
+    attention.active = True
+    try:
+        yield
+    finally:
+        attention.active = False
+
+
+def shard_batch(inputs: torch.Tensor, targets: torch.Tensor, dims: ParallelDims):
+    """(inputs, targets, positions) of this cp rank's two chunks; unchanged (positions None) without cp."""
+    if dims.cp == 1:
+        return inputs, targets, None
+    positions = shard_positions(inputs.shape[1], dims.cp, dims.cp_rank, inputs.device)
+    return shard_sequence(inputs, dims.cp, dims.cp_rank), shard_sequence(targets, dims.cp, dims.cp_rank), positions
