@@ -32,7 +32,7 @@ class BatchSchedule:
     @classmethod
     def from_config(cls, cfg) -> BatchSchedule:
         t, ramp = cfg.training, cfg.training.batch_ramp
-        unit = t.micro_batch_size * t.seq_len * cfg.parallel.dp
+        unit = cfg.tokens_per_micro_batch * cfg.parallel.dp
         if not ramp:
             return cls(full=t.batch_tokens, unit=unit)
         return cls(full=t.batch_tokens, unit=unit, grow_by=max(1, cfg.parallel.pp),
@@ -49,10 +49,6 @@ class BatchSchedule:
         step = self.unit * self.grow_by
         grown = (self.full - self.start) * seen // (self.ramp_tokens * step)  # whole units, rounded down
         return min(self.full, self.start + grown * step)
-
-    def micro_batches_at(self, seen: int) -> int:
-        """Micro-batches each data-parallel rank runs in that step."""
-        return self.tokens_at(seen) // self.unit
 
     def steps_to(self, seen: int, end: int) -> int:
         """Optimizer steps from `seen` tokens until at least `end` tokens are seen; one plateau of

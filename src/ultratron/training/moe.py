@@ -23,11 +23,9 @@ from ultratron.parallel.dims import ParallelDims
 
 
 class RouterStats:
-    def __init__(self, model: nn.Module, dims: ParallelDims, loss_weight: float):
-        """`loss_weight`: one micro-batch's weight in the step's gradient (the step strategy's)."""
+    def __init__(self, model: nn.Module, dims: ParallelDims):
         self.routers = [m for m in model.modules() if isinstance(m, Router)]
         self.dims = dims
-        self.before_step(loss_weight)
 
     def before_step(self, loss_weight: float) -> None:
         """One micro-batch's weight in this step's gradient (a batch ramp varies the micro-batches)."""

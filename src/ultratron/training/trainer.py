@@ -93,7 +93,7 @@ class Trainer:
         self.optimizer = wrap_optimizer(build_optimizer(self.model, cfg.optim), self.dims)
         self.batch = BatchSchedule.from_config(cfg)  # tokens per step: fixed, or a ramp
         self.strategy = step_strategy(self.model, self.dims, self.device, t.precision, t.z_loss)
-        self.routers = RouterStats(self.model, self.dims, self.strategy.loss_weight(cfg.grad_accum_steps))
+        self.routers = RouterStats(self.model, self.dims)
         self.state = TrainState(self.train_loader, to_dict(cfg))
         self.validator = Validator(lambda: open_loader(self.data, "val", seq_len=t.seq_len,
                                                        micro_batch_size=t.micro_batch_size, seed=t.seed),
