@@ -36,3 +36,47 @@ def test_compile_wraps_each_block_and_checkpoint_names_stay_plain(tiny_overrides
     assert len(blocks) == 2 and all(isinstance(b, torch._dynamo.eval_frame.OptimizedModule) for b in blocks.values())
     assert any("_orig_mod." in name for name in model.state_dict())
     assert set(ModelState(model).state_dict()["model"]) == plain
+
+
+def test_rope_under_compile_equals_the_eager_complex_form():
+    """Compiled blocks take apply_rope's real-valued branch (Inductor fuses it; it has no complex
+    code generation); it must rotate exactly as the eager complex product does, forward and backward."""
+    import torch
+
+    from ultratron.models.llama.model import apply_rope, rope_tables
+
+    torch.manual_seed(0)
+    cos, sin = rope_tables(16, 32, 10000.0)
+    cos, sin = cos[:12], sin[:12]
+    x = torch.randn(2, 12, 3, 16)
+    positions = torch.randint(0, 32, (2, 12))  # rows at their own positions: (batch, seq, half) tables
+    full_cos, full_sin = rope_tables(16, 32, 10000.0)
+    for c, s in ((cos, sin), (full_cos[positions], full_sin[positions])):
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        eager = apply_rope(a, c, s)
+        compiled = torch.compile(apply_rope, fullgraph=True)(b, c, s)
+        assert torch.allclose(compiled, eager, atol=1e-6, rtol=0)
+        assert not torch.equal(eager, x)  # it rotated
+        weights = torch.randn_like(eager)
+        (eager * weights).sum().backward()
+        (compiled * weights).sum().backward()
+        assert torch.allclose(a.grad, b.grad, atol=1e-6, rtol=0)
+
+
+def test_the_training_loss_is_compiled_only_with_compile_and_whole_logits():
+    import torch
+
+    from ultratron.parallel.compile import compiled_loss
+    from ultratron.parallel.dims import ParallelDims
+    from ultratron.training.loss import cross_entropy
+
+    one, tp2 = ParallelDims(), ParallelDims(tp=2)
+    assert compiled_loss(cross_entropy, False, one) is cross_entropy
+    assert compiled_loss(cross_entropy, True, tp2) is cross_entropy  # loss_parallel's DTensors stay eager
+    fn = compiled_loss(cross_entropy, True, one)
+    assert fn is not cross_entropy
+    torch.manual_seed(0)
+    logits, targets = torch.randn(2, 8, 50), torch.randint(0, 50, (2, 8))
+    for z in (0.0, 1e-4):
+        got, want = fn(logits, targets, z), cross_entropy(logits, targets, z)
+        assert all(torch.allclose(g, w, rtol=1e-6) for g, w in zip(got, want, strict=True))

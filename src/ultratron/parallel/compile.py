@@ -5,7 +5,13 @@ have wrapped it and before FSDP shards it: a block's graph is small, every block
 compiled program (the same code, parameters passed in), and FSDP's hooks stay outside the graph,
 in eager code around each compiled block. Inductor fuses a block's element-wise work — RMSNorm,
 RoPE, SwiGLU's silu·mul, the residual adds — forward and backward into a few loops instead of one
-pass over memory per operator. The embedding, the final norm, the head and the loss stay eager.
+pass over memory per operator. The embedding, the final norm and the head stay eager.
+
+The loss is compiled too (`compiled_loss`), unless tensor parallel shards the logits (torch's
+`loss_parallel` runs it on DTensors, eagerly): the fp32 cast, log-softmax and the target's pick
+become one pass forward and one backward, where eager writes the log-probabilities, a zero-filled
+gradient and scatters into it. Measured here on (8·256) × 4096 logits, forward + backward: 45 → 23
+ms in fp32, 62 → 12 ms from bf16 logits (`benchmarks/step_vs_plain.py` shows the whole step).
 Parameter names gain `_orig_mod.`, which the checkpoint code strips (`checkpoint/state.py`), so
 a checkpoint is the same with and without compile.
 """
@@ -16,6 +22,7 @@ import torch
 from torch import nn
 
 from ultratron.models.plan import ParallelPlan
+from ultratron.parallel.dims import ParallelDims
 
 
 def apply_compile(model: nn.Module, enabled: bool, plan: ParallelPlan) -> nn.Module:
@@ -25,3 +32,9 @@ def apply_compile(model: nn.Module, enabled: bool, plan: ParallelPlan) -> nn.Mod
     for name, block in list(blocks.named_children()):
         blocks.register_module(name, torch.compile(block, fullgraph=True))
     return model
+
+
+def compiled_loss(loss_fn, enabled: bool, dims: ParallelDims):
+    """`loss_fn` compiled for training steps when `training.compile` is on and the logits are whole
+    (tp = 1); otherwise `loss_fn` itself."""
+    return torch.compile(loss_fn) if enabled and dims.tp == 1 else loss_fn

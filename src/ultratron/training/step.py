@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ultratron.parallel.compile import compiled_loss
 from ultratron.parallel.context_parallel import shard_batch, sharded
 from ultratron.parallel.data_parallel import average_over_dp
 from ultratron.parallel.dims import ParallelDims
@@ -42,9 +43,11 @@ class StepStrategy(Protocol):
 
 
 class GradAccumStep:
-    def __init__(self, model: nn.Module, dims: ParallelDims, device: torch.device, precision: str, z_loss: float):
+    def __init__(self, model: nn.Module, dims: ParallelDims, device: torch.device, precision: str, z_loss: float,
+                 compile_loss: bool = False):
         self.model, self.dims, self.device = model, dims, device
         self.precision, self.z_loss = precision, z_loss
+        self.train_loss = compiled_loss(cross_entropy, compile_loss, dims)  # (validation's stays eager)
 
     def forward_backward(self, next_batch, n_micro_batches: int) -> float:
         """Under context parallel each rank runs its shard of the sequences (tokens, targets and
@@ -57,7 +60,7 @@ class GradAccumStep:
             with micro_batch(self.model, self.dims, last=micro == n_micro_batches - 1):
                 with autocast(self.precision, self.device):
                     logits = self.model(inputs, positions=positions)
-                loss, ce = cross_entropy(logits, targets, self.z_loss)
+                loss, ce = self.train_loss(logits, targets, self.z_loss)
                 (loss / n_micro_batches).backward()
             loss_sum += local_value(ce.detach())
         after_backward(self.model, self.dims)
@@ -92,9 +95,11 @@ class PipelineStep:
     divides the gradients by the micro-batch count. Then the tied embedding's two copies add their
     gradients; the loss, known on the last stage, is averaged over dp and given to every rank."""
 
-    def __init__(self, model: nn.Module, dims: ParallelDims, device: torch.device, precision: str, z_loss: float):
+    def __init__(self, model: nn.Module, dims: ParallelDims, device: torch.device, precision: str, z_loss: float,
+                 compile_loss: bool = False):
         self.model, self.dims, self.device = model, dims, device
         self.precision, self.z_loss = precision, z_loss
+        self.train_loss = compiled_loss(cross_entropy, compile_loss, dims)  # (validation's stays eager)
         self.pipeline = model.pipeline
         self.tied = TiedGradients(model, dims)
         self.schedule, self.n_micro_batches = None, 0
@@ -103,7 +108,7 @@ class PipelineStep:
             _forward_under(module, lambda: autocast(precision, device))
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss, ce = cross_entropy(logits, targets, self.z_loss)
+        loss, ce = self.train_loss(logits, targets, self.z_loss)
         self._losses.append(local_value(ce.detach()))
         return loss
 
@@ -183,6 +188,7 @@ def _forward_under(module: nn.Module, context) -> None:
 
 
 def step_strategy(model: nn.Module, dims: ParallelDims, device: torch.device, precision: str,
-                  z_loss: float) -> StepStrategy:
-    """The pipeline schedule under pipeline parallelism, gradient accumulation otherwise."""
-    return (PipelineStep if dims.pp > 1 else GradAccumStep)(model, dims, device, precision, z_loss)
+                  z_loss: float, compile_loss: bool = False) -> StepStrategy:
+    """The pipeline schedule under pipeline parallelism, gradient accumulation otherwise;
+    `compile_loss` (training.compile) compiles the training loss (`parallel.compile.compiled_loss`)."""
+    return (PipelineStep if dims.pp > 1 else GradAccumStep)(model, dims, device, precision, z_loss, compile_loss)

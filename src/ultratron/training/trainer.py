@@ -92,7 +92,7 @@ class Trainer:
         self.model = parallelize(build_model(cfg.model, self.device), self.dims, cfg)
         self.optimizer = wrap_optimizer(build_optimizer(self.model, cfg.optim), self.dims)
         self.batch = BatchSchedule.from_config(cfg)  # tokens per step: fixed, or a ramp
-        self.strategy = step_strategy(self.model, self.dims, self.device, t.precision, t.z_loss)
+        self.strategy = step_strategy(self.model, self.dims, self.device, t.precision, t.z_loss, t.compile)
         self.routers = RouterStats(self.model, self.dims)
         self.state = TrainState(self.train_loader, to_dict(cfg))
         self.validator = Validator(lambda: open_loader(self.data, "val", seq_len=t.seq_len,
