@@ -44,10 +44,10 @@ class StepStrategy(Protocol):
 
 class GradAccumStep:
     def __init__(self, model: nn.Module, dims: ParallelDims, device: torch.device, precision: str, z_loss: float,
-                 compile_loss: bool = False):
+                 train_loss=cross_entropy):
         self.model, self.dims, self.device = model, dims, device
         self.precision, self.z_loss = precision, z_loss
-        self.train_loss = compiled_loss(cross_entropy, compile_loss, dims)  # (validation's stays eager)
+        self.train_loss = train_loss  # (validation's stays the eager cross_entropy)
 
     def forward_backward(self, next_batch, n_micro_batches: int) -> float:
         """Under context parallel each rank runs its shard of the sequences (tokens, targets and
@@ -96,10 +96,10 @@ class PipelineStep:
     gradients; the loss, known on the last stage, is averaged over dp and given to every rank."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, device: torch.device, precision: str, z_loss: float,
-                 compile_loss: bool = False):
+                 train_loss=cross_entropy):
         self.model, self.dims, self.device = model, dims, device
         self.precision, self.z_loss = precision, z_loss
-        self.train_loss = compiled_loss(cross_entropy, compile_loss, dims)  # (validation's stays eager)
+        self.train_loss = train_loss  # (validation's stays the eager cross_entropy)
         self.pipeline = model.pipeline
         self.tied = TiedGradients(model, dims)
         self.schedule, self.n_micro_batches = None, 0
@@ -191,4 +191,5 @@ def step_strategy(model: nn.Module, dims: ParallelDims, device: torch.device, pr
                   z_loss: float, compile_loss: bool = False) -> StepStrategy:
     """The pipeline schedule under pipeline parallelism, gradient accumulation otherwise;
     `compile_loss` (training.compile) compiles the training loss (`parallel.compile.compiled_loss`)."""
-    return (PipelineStep if dims.pp > 1 else GradAccumStep)(model, dims, device, precision, z_loss, compile_loss)
+    return (PipelineStep if dims.pp > 1 else GradAccumStep)(model, dims, device, precision, z_loss,
+                                                            compiled_loss(cross_entropy, compile_loss, dims))
