@@ -55,3 +55,16 @@ def test_measured_bytes_follow_the_zero_stage_and_the_planner(measured, dist_bas
     if zero >= 1:  # the two ranks together hold the optimizer state exactly once
         total = sum(measured[rank][zero]["optimizer_states"] for rank in range(2))
         assert total == pytest.approx(full.optimizer_states, rel=0.02)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_ddp_gradients_are_views_of_its_buckets(measured, dist_base, zero):
+    """Under DDP (zero 0 and 1) every gradient lives in one of DDP's all-reduce buckets, zeroed in
+    place between steps, so the buckets are the only copy of the gradients the planner counts."""
+    planned = _planned(dist_base, zero)
+    assert planned.comm_buffers == 0
+    for rank in range(2):
+        got = measured[rank][zero]
+        assert got["grads_kept"] == got["params"], got  # zeroed in place, not set to None
+        assert got["grad_storages"] < got["params"], got  # several gradients share each bucket
+        assert got["grad_storage_bytes"] == pytest.approx(planned.gradients, rel=0.02), got

@@ -47,8 +47,17 @@ def test_static_bytes_follow_the_trainers_zero_stages():
         got = estimate_memory(LLAMA8B, Layout(dp=8, zero=zero, seq=2048))
         assert got.static_bytes == pytest.approx(want, rel=1e-12), zero
         assert got.master_weights == 0
-    # DDP's gradient buckets: a second fp32 copy of the gradients
-    assert estimate_memory(LLAMA8B, Layout(dp=8, seq=2048)).comm_buffers == pytest.approx(4 * psi)
+    # DDP's gradients are views of its buckets: no second copy at the step's peak ...
+    small = estimate_memory(LLAMA8B, Layout(dp=8, seq=256))
+    assert small.comm_buffers == 0
+    # ... but its one-time bucket rebuild holds old and new buckets (4Ψ) while no activations live,
+    # which is the peak when the activations are smaller
+    assert small.peak_bytes == pytest.approx(small.static_bytes + 4 * psi, rel=1e-12)
+    # with activations above 4Ψ the rebuild is not the peak: a step as one process's, plus nothing
+    big = dict(seq=8192, mbs=8, recompute="none")
+    one, ddp = estimate_memory(LLAMA8B, Layout(**big)), estimate_memory(LLAMA8B, Layout(dp=8, **big))
+    assert one.peak_bytes - one.static_bytes > 4 * psi
+    assert ddp.peak_bytes == pytest.approx(one.peak_bytes, rel=1e-12) and ddp.static_bytes == one.static_bytes
     # Megatron-LM's table ("bf16 param, fp32 grads"): 18 bytes, 6 + 12/d with the distributed optimizer
     for dp, zero, want in ((1, 0, 18), (8, 1, 6 + 12 / 8)):
         got = estimate_memory(LLAMA8B, Layout(dp=dp, zero=zero, seq=2048, fp32_grad_accum=True))

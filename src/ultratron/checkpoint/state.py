@@ -13,6 +13,8 @@ so the checkpoint has the same keys in every layout.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -74,6 +76,25 @@ def _to_own_names(state: dict, copies: dict[str, str], own: set[str]) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _gradients_set_aside(model: nn.Module, optimizer):
+    """torch's get_state_dict creates a fresh optimizer's state (a zero-gradient step at lr 0) only
+    when no parameter has a gradient; DDP's gradients exist from the start (views of its buckets,
+    parallel/data_parallel.py). Without a state there is nothing to load into, so the state of a
+    resumed run would silently start from zero: set the gradients aside for that and put them back."""
+    if optimizer.state:
+        yield
+        return
+    grads = [(param, param.grad) for param in model.parameters()]
+    for param, _ in grads:
+        param.grad = None
+    try:
+        yield
+    finally:
+        for param, grad in grads:
+            param.grad = grad
+
+
 class ModelState(Stateful):
     """Model weights, and optionally the optimizer state, of any layout. Only the per-parameter
     optimizer state is loaded: hyperparameters (lr, betas, weight decay) come from this run's config."""
@@ -87,7 +108,8 @@ class ModelState(Stateful):
         if _is_zero1(self.optimizer):
             return {"model": get_model_state_dict(self.model),
                     "optimizer": _zero1_owned_state(self.model, self.optimizer)}
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        with _gradients_set_aside(self.model, self.optimizer):
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state,
                 "optimizer": {"state": _to_original_names(optim_state["state"], _copies(self.model))}}
 
@@ -96,7 +118,8 @@ class ModelState(Stateful):
             set_model_state_dict(self.model, state["model"])  # ZeRO-1: its state was filled in place
             return
         # set_state_dict wants the param groups too: this run's own, keyed by name as in the state.
-        _, current = get_state_dict(self.model, self.optimizer)
+        with _gradients_set_aside(self.model, self.optimizer):
+            _, current = get_state_dict(self.model, self.optimizer)
         optim = _to_own_names(state["optimizer"]["state"], _copies(self.model), set(current["state"]))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict={"state": optim, "param_groups": current["param_groups"]})

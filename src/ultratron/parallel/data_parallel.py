@@ -78,11 +78,25 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, ignored: set | None = None) 
         names = [name for name, p in model.named_parameters() if p in ignored]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     device_ids = [dims.local_rank] if next(model.parameters()).is_cuda else None
+    # Each gradient is a view of its DDP bucket (`gradient_as_bucket_view`), not a second copy of
+    # the gradients beside the buckets (4 bytes per parameter). DDP aliases only gradients that
+    # exist when it builds its buckets, so they start as zeros; the trainer then zeroes them in
+    # place (`keeps_gradients`) so that backward, `no_sync` micro-batches included, accumulates
+    # straight into the buckets.
+    for param in model.parameters():
+        if param.requires_grad and param.grad is None and not (ignored and param in ignored):
+            param.grad = torch.zeros_like(param)
     # The rope tables are the only buffers and never change: no need to broadcast them each step.
     ddp = DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False,
-                                  process_group=dims.dp_mesh.get_group())
+                                  process_group=dims.dp_mesh.get_group(), gradient_as_bucket_view=True)
     ddp.args = model.args  # sampling and reporting read model.args
     return ddp
+
+
+def keeps_gradients(model: nn.Module) -> bool:
+    """Whether the model's gradients are buffers to zero in place rather than set to None: DDP's
+    are views of its buckets, and a None would make the next backward allocate a second copy."""
+    return bool(getattr(model, "gradient_as_bucket_view", False))
 
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, precision: str, plan: ParallelPlan,

@@ -4,8 +4,10 @@ Static terms, per parameter on the rank (Ψ after TP and PP; N = dp·cp ranks th
 following what `parallel/data_parallel.py` does for the layout (`rules.data_parallel_wrapper`):
   one process, DDP, FSDP2's replicate — fp32 weights (bf16 only as autocast's copies, counted with
   the activations), fp32 gradients, Adam moments: 4 + 4 + 8 = 16 bytes; ZeRO-1 (DDP with
-  ZeroRedundancyOptimizer) shards the moments 8/N. DDP also keeps its gradient buckets, a second
-  copy of the gradients (4, comm_buffers; torch's `gradient_as_bucket_view` is off by default).
+  ZeroRedundancyOptimizer) shards the moments 8/N. DDP's gradients are views of its all-reduce
+  buckets (`gradient_as_bucket_view`, parallel/data_parallel.py), not a second copy; once, before
+  the second step's forward, DDP rebuilds its buckets in the order backward made the gradients
+  ready, holding old and new buckets at once (4 more, a moment with no activations alive).
   FSDP2 (zero 2, zero 3, and zero 0/1 whenever the trainer shards) — sharded fp32 weights 4/N,
   sharded fp32 gradients 4/N, moments 8/N; ZeRO-2 keeps each weight gathered in the compute
   dtype (2 in bf16, 4 in fp32) from forward through backward, ZeRO-3 only a block or two at a time
@@ -279,7 +281,7 @@ class _Static:
     grad_accum_buffer: float
     master_weights: float
     optimizer_states: float
-    ddp_buckets: bool  # DDP's gradient buckets: a second copy of the gradients
+    ddp_buckets: bool  # DDP: gradients are views of its buckets, which it rebuilds once (a second copy then)
     gathered_blocks: bool  # ZeRO-3: weights gathered a block at a time
     fused_adam: bool  # the fused AdamW (no temporaries); else torch's foreach AdamW
 
@@ -352,8 +354,6 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
         transient = max(transient, loss_backward_bytes(shape, layout))
 
     comm = 0.0
-    if st.ddp_buckets:
-        comm += sharded * 4
     if st.gathered_blocks:
         # a block's sharded parameters: its routed experts too while they are not split
         layer_params = _layer_params(shape, t) + (0.0 if experts else routed_expert_params_per_layer(shape))
@@ -370,10 +370,13 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
     all_to_all = all_to_all_buffer_bytes(shape, tokens, p, layout.ep)
     comm += all_to_all
     optimizer_temporaries = 0.0 if st.fused_adam else 4 * term("optimizer_states") / 8
+    bucket_rebuild = 4 * sharded if st.ddp_buckets else 0.0
+    between_steps = max(optimizer_temporaries, bucket_rebuild)
     working = activations + loss_logits + transient
-    if optimizer_temporaries > working:
-        # The optimizer step runs after backward freed the activations: it sets the peak instead.
-        transient = optimizer_temporaries - activations - loss_logits
+    if between_steps > working:
+        # The optimizer step, or DDP's bucket rebuild before the next forward, runs while no
+        # activations are alive: it sets the peak instead.
+        transient = between_steps - activations - loss_logits
 
     per_op = model == "per-op"
     return MemoryBreakdown(

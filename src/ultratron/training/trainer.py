@@ -22,7 +22,7 @@ from ultratron.data.prepare import prepare_data
 from ultratron.errors import DeviceError
 from ultratron.models.llama import build_model
 from ultratron.models.sampling import generate
-from ultratron.parallel.data_parallel import wrap_optimizer
+from ultratron.parallel.data_parallel import keeps_gradients, wrap_optimizer
 from ultratron.parallel.dims import ParallelDims
 from ultratron.parallel.grads import clip_grad_norm, tied_copies
 from ultratron.parallel.parallelize import parallelize
@@ -180,7 +180,7 @@ class Trainer:
         if not skipped:
             self.checkpoints.before_update()  # an asynchronous save may still be copying the weights
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not keeps_gradients(self.model))
         moe = self.routers.after_step(n_micro_batches)
         self.state.step += 1
         self.state.tokens += tokens
