@@ -1,6 +1,7 @@
 """ultratron's training step against a plain PyTorch GPT training step of the same shape and FLOPs.
 
   python benchmarks/step_vs_plain.py [--rounds 20] [--warmup 3] [--precisions fp32,bf16] [--compile]
+                                     [--plain-compile]
 
 The plain step is written here the straightforward way a user would (nanoGPT's shape and loop):
 an `nn.Module` GPT with learned positions, LayerNorm, `F.scaled_dot_product_attention` and a GELU
@@ -92,6 +93,11 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.tok.weight
+        for module in self.modules():  # nanoGPT's initialisation: N(0, 0.02) weights, zero biases
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
@@ -102,10 +108,11 @@ class GPT(nn.Module):
 
 
 class PlainStep:
-    def __init__(self, tokens: np.ndarray, precision: str):
+    def __init__(self, tokens: np.ndarray, precision: str, compile_: bool):
         torch.manual_seed(0)
         self.model = GPT(LAYERS, WIDTH, HEADS, SEQ, VOCAB)
         self.optimizer = torch.optim.AdamW(self.model.parameters())
+        self.forward = torch.compile(self.model) if compile_ else self.model
         self.data = torch.from_numpy(tokens.astype(np.int64))
         self.bf16 = precision == "bf16"
 
@@ -114,7 +121,7 @@ class PlainStep:
         x = torch.stack([self.data[i:i + SEQ] for i in ix])
         y = torch.stack([self.data[i + 1:i + 1 + SEQ] for i in ix])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
-            loss = self.model(x, y)
+            loss = self.forward(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
@@ -126,11 +133,11 @@ def count(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def bench(precision: str, rounds: int, warmup: int, compile_: bool) -> dict:
+def bench(precision: str, rounds: int, warmup: int, compile_: bool, plain_compile: bool) -> dict:
     cfg = load_config(None, ultratron_args(precision, compile_, f"runs/bench-plain-{precision}"))
     trainer = Trainer(cfg, echo=False)
     tokens = np.concatenate([np.asarray(t) for t in trainer.train_loader.shards.tokens])
-    plain = PlainStep(tokens, precision)
+    plain = PlainStep(tokens, precision, plain_compile)
     times = {"ultratron": [], "plain": []}
     losses = {"ultratron": [], "plain": []}
     for i in range(rounds + warmup):
@@ -154,16 +161,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured pairs first (compilation, allocator)")
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--compile", action="store_true", help="ultratron with training.compile=true")
+    parser.add_argument("--plain-compile", action="store_true",
+                        help="the plain model under torch.compile(model) too (the default: eager, as written)")
     args = parser.parse_args()
     load = os.getloadavg()[0]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; "
           f"load average {load:.1f} at the start; {args.rounds} interleaved pairs after {args.warmup} warm-up")
     tokens = SEQ * BATCH
     for precision in args.precisions.split(","):
-        r = bench(precision, args.rounds, args.warmup, args.compile)
+        r = bench(precision, args.rounds, args.warmup, args.compile, args.plain_compile)
         m = r["medians"]
         print(f"\n{precision}: {r['params']['ultratron'] / 1e6:.2f}M (ultratron) vs {r['params']['plain'] / 1e6:.2f}M "
-              f"(plain) parameters; compile={args.compile}")
+              f"(plain) parameters; compile: ultratron {args.compile}, plain {args.plain_compile}")
         for name in ("ultratron", "plain"):
             lo, hi = r["spread"][name]
             print(f"  {name:>9}: median step {m[name] * 1e3:7.1f} ms  {tokens / m[name]:8,.0f} tokens/s  "
