@@ -68,7 +68,9 @@ def test_kill_9_of_one_rank_and_the_job_finishes_by_itself(world, dist_base, uni
     log = (run / "train.log").read_text()
     assert "launch: restart 1 of this job" in log, log[-3000:]
     resumed = [line for line in log.splitlines() if "checkpoint: resumed from" in line]
-    assert len(resumed) == 1 and any(f"at step {s}" in resumed[0] for s in (INTERVAL, 2 * INTERVAL)), resumed
+    # on failure, what the supervisor saw: each attempt's end and the job's output
+    why = "\n".join([*resumed, *(line for line in log.splitlines() if "launch:" in line), out[-3000:]])
+    assert len(resumed) == 1 and any(f"at step {s}" in resumed[0] for s in (INTERVAL, 2 * INTERVAL)), why
     assert [r["restarts"] for r in read_metrics(run) if "restarts" in r] == [1]
     assert [r["step"] for r in records(run)] == list(range(1, STEPS + 1))  # each step once, after the trim
 

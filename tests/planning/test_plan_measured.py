@@ -14,6 +14,7 @@ from ultratron.config import ModelConfig
 from ultratron.config.training import OptimConfig
 from ultratron.models.llama.model import build_model
 from ultratron.models.registry import plan_of
+from ultratron.parallel.cpu_linear import apply_cpu_linear, probe
 from ultratron.parallel.memory import AllocatedBytes
 from ultratron.parallel.recompute import apply_recompute
 from ultratron.planning.memory import Layout, estimate_memory
@@ -28,9 +29,10 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def measure(model_cfg: ModelConfig, layout: Layout) -> dict[str, int]:
+def measure(model_cfg: ModelConfig, layout: Layout, cpu_linear: str = "aten") -> dict[str, int]:
     torch.manual_seed(0)
     model = build_model(model_cfg)
+    apply_cpu_linear(model, cpu_linear, tp=1)  # as parallelize does, before recompute
     apply_recompute(model, layout.recompute, plan_of(model))
     optimizer = build_optimizer(model, OptimConfig())
     tokens = torch.randint(0, model_cfg.vocab_size, (layout.mbs, layout.seq + 1))
@@ -86,11 +88,22 @@ CASES = [
 @pytest.mark.parametrize("fields,layout", CASES, ids=[f"{i}-{c[1].precision}-{c[1].recompute}"
                                                        for i, c in enumerate(CASES)])
 def test_plan_memory_matches_the_trainers_step(fields, layout):
+    _check_against_the_plan(fields, layout, "aten")
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"oneDNN's linear unavailable here: {probe()}")
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_plan_memory_matches_with_the_onednn_linear(recompute):
+    """training.cpu_linear's op keeps what aten's matmul keeps, and selective recompute saves it."""
+    _check_against_the_plan(SMALL, Layout(mbs=2, seq=64, recompute=recompute, precision="fp32"), "onednn")
+
+
+def _check_against_the_plan(fields, layout, cpu_linear):
     torch.set_num_threads(1)
     model_cfg = ModelConfig(preset=None, **fields)
     # On CPU ultratron runs bf16 attention in fp32 (models.llama.model.sdpa_attention), so autograd saves that.
     layout = dataclasses.replace(layout, attention_fp32=layout.precision == "bf16")
-    measured = measure(model_cfg, layout)
+    measured = measure(model_cfg, layout, cpu_linear)
     planned = estimate_memory(model_cfg, layout)
     assert planned.master_weights == planned.grad_accum_buffer == 0  # the fp32 weights are the master copy
     for term in ("parameters", "gradients", "optimizer_states"):

@@ -2,6 +2,7 @@
 PP → TP/SP → EP → CP → activation recomputation → compile → FSDP/DDP. Each axis lives in its own
 module and cuts the model where its family's plan (`models/*/parallel_plan.py`) says; this file
 only orders them and gives a training step the few hooks it needs per micro-batch and per step.
+Before TP, on a CPU, the fp32 linear layers take oneDNN's matmul (`parallel/cpu_linear.py`).
 
 Under pipeline parallelism the pipeline cut comes first: this rank keeps its stages' part of the
 model, the other axes apply to that part, and FSDP takes each stage as a root. Expert parallelism
@@ -16,6 +17,7 @@ from torch import nn
 from ultratron.models.registry import plan_of
 from ultratron.parallel.compile import apply_compile
 from ultratron.parallel.context_parallel import apply_context_parallel, sharded
+from ultratron.parallel.cpu_linear import apply_cpu_linear
 from ultratron.parallel.data_parallel import apply_data_parallel, gradient_sync
 from ultratron.parallel.dims import ParallelDims
 from ultratron.parallel.expert_parallel import apply_expert_parallel, expert_params, reduce_expert_grads
@@ -28,6 +30,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
     plan = plan_of(model)
     if dims.pp > 1:
         model = split_model(model, dims, cfg, plan)
+    model = apply_cpu_linear(model, cfg.training.cpu_linear, dims.tp)
     model = apply_tensor_parallel(model, dims, plan)
     model = apply_expert_parallel(model, dims, plan)
     model = apply_context_parallel(model, dims, plan, cfg.parallel.cp_attention)

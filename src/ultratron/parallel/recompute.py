@@ -16,6 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ultratron.models.plan import ParallelPlan
+from ultratron.parallel.cpu_linear import onednn_linear
 
 _SAVED_OPS = {
     torch.ops.aten.mm.default,
@@ -24,6 +25,7 @@ _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
+    onednn_linear._opoverload,  # the CPU fp32 matmul of parallel/cpu_linear.py
 }
 
 
