@@ -38,14 +38,14 @@ def measure_zero_stages(base: list[str], out_dir: str) -> None:
         after_step = measured_bytes(trainer.model, trainer.optimizer)
         results[zero] = {"parameters": after_step["parameters"], "gradients": after_backward["gradients"],
                          "optimizer_states": after_step["optimizer_states"]}
-        # two of the trainer's own steps (DDP rebuilds its buckets before the second): where do the
-        # gradients live then?
-        trainer.train_step()
-        trainer.train_step()
-        grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
-        storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads}
-        results[zero].update(params=sum(1 for _ in trainer.model.parameters()), grads_kept=len(grads),
-                             grad_storages=len(storages), grad_storage_bytes=sum(storages.values()))
+        if zero < 2:  # DDP: two of the trainer's own steps (DDP rebuilds its buckets before the
+            # second); where do the gradients live then?
+            trainer.train_step()
+            trainer.train_step()
+            grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+            storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads}
+            results[zero].update(params=sum(1 for _ in trainer.model.parameters()), grads_kept=len(grads),
+                                 grad_storages=len(storages), grad_storage_bytes=sum(storages.values()))
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
 
 

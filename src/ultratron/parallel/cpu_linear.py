@@ -20,14 +20,14 @@ gradients within 1e-5 relative); `onednn` insists (an error says why it cannot);
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ultratron.errors import ConfigError
-
-MODES = ("auto", "onednn", "aten")
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -83,8 +83,9 @@ class OneDNNLinear(nn.Linear):
         return F.linear(x, w, self.bias)
 
 
+@functools.cache
 def probe() -> str | None:
-    """None if oneDNN's linear works here and agrees with F.linear; else why not."""
+    """None if oneDNN's linear works here and agrees with F.linear; else why not. Once per process."""
     if not torch.backends.mkldnn.is_available():
         return "torch was built without oneDNN (mkldnn)"
     generator = torch.Generator().manual_seed(0)
