@@ -57,6 +57,22 @@ def test_train_under_torchrun_two_processes(dist_base, references, tmp_path):
     assert (run / "train.log").read_text().count("checkpoint: saved step 5") == 1
 
 
+def test_train_leaves_the_process_group_it_joined(dist_base, tmp_path):
+    """A rank that exits with its gloo group alive can abort while Python shuts down; `train` destroys
+    the group it created once every rank is done (a group the caller made stays, see dist_jobs)."""
+    import json
+
+    import torch.multiprocessing as mp
+    from dist_jobs import train_joining_the_group_itself
+
+    from ultratron.launch.local import free_port
+
+    mp.start_processes(train_joining_the_group_itself, args=(free_port(), dist_base, str(tmp_path)), nprocs=2,
+                       join=True, start_method="spawn")
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"steps": 5, "group_after": False}
+
+
 def test_launch_dry_run_and_slurm_script(tmp_path, capsys):
     assert main(["launch", "--nproc-per-node", "4", "--dry-run", "--", "--parallel.tp", "2"]) == 0
     printed = capsys.readouterr().out.split()

@@ -48,6 +48,7 @@ class ParallelDims:
     agent_store: tuple[str, int] | None = None  # torchrun's own TCPStore (MASTER_ADDR, MASTER_PORT), if used
     mesh: object = field(default=None, repr=False, compare=False)  # a DeviceMesh once built
     flat: dict = field(default_factory=dict, repr=False, compare=False)  # flattened meshes by name
+    owns_process_group: bool = field(default=False, repr=False, compare=False)  # init_distributed created it
 
     @classmethod
     def from_config(cls, parallel_cfg) -> ParallelDims:
@@ -149,8 +150,24 @@ class ParallelDims:
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=self._store(),
                                     rank=self.rank, world_size=self.world_size)
+            self.owns_process_group = True
         self.build_mesh(device.type)
         return device
+
+    def leave(self) -> None:
+        """After a run that succeeded on every rank: wait for the others, then destroy the process
+        groups this object created (a no-op for a group the caller made, e.g. `launch.local`).
+        Without this a rank could abort as Python shut down (SIGABRT, "terminate called without an
+        active exception"): a gloo worker thread freeing a finished collective's tensor needs the
+        GIL, which the exiting interpreter no longer hands out, and the thread's forced unwind
+        ends in std::terminate (seen in a core dump: ~AsyncAllgatherWork → decref_pyobject →
+        take_gil → pthread_exit); 3 aborts in 80 two-rank torchrun runs, three at a time on 2 cores.
+        destroy_process_group waits for pending work and stops those threads while Python is alive.
+        """
+        if self.owns_process_group and dist.is_initialized():
+            dist.barrier()  # no rank leaves while another still talks to it (a last save's commit)
+            dist.destroy_process_group()
+            self.owns_process_group = False
 
     def _store(self):
         """Under torchrun, a client of the agent's store with keys of this attempt only. torchrun

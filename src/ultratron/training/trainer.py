@@ -232,4 +232,10 @@ class Trainer:
 
 
 def train(cfg: Config, echo: bool = True) -> TrainResult:
-    return Trainer(cfg, echo=echo).fit()
+    """Build a trainer and run it; after a run that ended normally, leave the process group it
+    joined. After a failure the group is left alone: another rank may be stuck in a collective, and
+    tearing down would wait on it (the process exits non-zero all the same)."""
+    trainer = Trainer(cfg, echo=echo)
+    result = trainer.fit()
+    trainer.dims.leave()
+    return result
