@@ -23,10 +23,11 @@ def _worker(rank: int, world: int, port: int, threads: int, fn, args) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    try:
-        fn(*args)
-    finally:
-        dist.destroy_process_group()
+    fn(*args)
+    # Every rank done, then leave while Python is alive (see ParallelDims.leave: a group alive at
+    # interpreter shutdown can abort the process). After a failure the rank just exits non-zero.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_local(world: int, fn, *args, threads: int = 1) -> None:
