@@ -21,7 +21,9 @@ Measured here (2-core AMD EPYC, torch 2.13 CPU, 20 pairs), ratio of the medians,
 tokens/s: --compile fp32 1.51×, bf16 1.14–1.19× over five runs (median 1.17×); eager fp32 1.40×,
 bf16 0.85×; --compile --plain-compile fp32 1.44×, bf16 0.95×. The fp32 gain is training.cpu_linear
 (oneDNN's matmul where torch's MKL sgemm runs AVX2 code on this CPU): with torch's kernel the
-compiled fp32 step was 1.01–1.04× the plain one. docs/performance.md explains the figures.
+compiled fp32 step was 1.01–1.04× the plain one. A later session on a slower day of the same
+machine: --compile fp32 1.08–1.12× (median of five runs 1.115×), bf16 1.135–1.147×; eager fp32 1.02×,
+bf16 0.92×. docs/performance.md explains the figures.
 """
 
 from __future__ import annotations
