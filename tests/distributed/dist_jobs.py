@@ -158,22 +158,18 @@ def measure_step_memory(base: list[str], layouts: list[list[str]], out_dir: str)
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
 
 
-def train_joining_the_group_itself(rank: int, port: int, base: list[str], out_dir: str) -> None:
-    """As torchrun starts a rank: only the environment says where the group is. `train` joins the
-    group, trains, and leaves it; rank<r>.json records whether a group was still there after it."""
+def train_joining_the_group_itself(base: list[str], out_dir: str) -> None:
+    """As under torchrun (launch.local with join_group=False): `train` joins the group, trains and
+    leaves it; rank<r>.json records whether a group was still there after it."""
     import json
     import os
     from pathlib import Path
 
-    import torch
     import torch.distributed as dist
 
     from ultratron.config import load_config
     from ultratron.training.trainer import train
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     result = train(load_config(None, base + ["--parallel.dp", "2", "--run.dir", f"{out_dir}/run"]), echo=False)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
+    Path(out_dir, f"rank{os.environ['RANK']}.json").write_text(json.dumps(
         {"steps": result.steps_done, "group_after": dist.is_initialized()}))

@@ -62,13 +62,11 @@ def test_train_leaves_the_process_group_it_joined(dist_base, tmp_path):
     the group it created once every rank is done (a group the caller made stays, see dist_jobs)."""
     import json
 
-    import torch.multiprocessing as mp
     from dist_jobs import train_joining_the_group_itself
 
-    from ultratron.launch.local import free_port
+    from ultratron.launch.local import run_local
 
-    mp.start_processes(train_joining_the_group_itself, args=(free_port(), dist_base, str(tmp_path)), nprocs=2,
-                       join=True, start_method="spawn")
+    run_local(2, train_joining_the_group_itself, dist_base, str(tmp_path), join_group=False)
     for rank in range(2):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"steps": 5, "group_after": False}
 

@@ -1,6 +1,6 @@
-"""Run a function in N local processes joined in one gloo process group, as torchrun would set
-them up (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). For tests and benchmarks on one machine;
-real jobs use torchrun (`ultratron launch`)."""
+"""Run a function in N local processes with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR/PORT), joined in one gloo process group unless the function joins itself. For tests
+and benchmarks on one machine; real jobs use torchrun (`ultratron launch`)."""
 
 from __future__ import annotations
 
@@ -15,24 +15,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, threads: int, fn, args) -> None:
+def _worker(rank: int, world: int, port: int, threads: int, join_group: bool, fn, args) -> None:
     import torch
     import torch.distributed as dist
+
+    from ultratron.parallel.dims import leave_process_group
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    if join_group:  # else, as under torchrun, fn (e.g. the trainer) joins and leaves the group itself
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     fn(*args)
-    # Every rank done, then leave while Python is alive (see ParallelDims.leave: a group alive at
-    # interpreter shutdown can abort the process). After a failure the rank just exits non-zero.
-    dist.barrier()
-    dist.destroy_process_group()
+    if join_group:
+        leave_process_group()  # only after success: after a failure the rank just exits non-zero
 
 
-def run_local(world: int, fn, *args, threads: int = 1) -> None:
-    """Call fn(*args) on `world` spawned ranks; raises if any rank fails. fn must be importable."""
+def run_local(world: int, fn, *args, threads: int = 1, join_group: bool = True) -> None:
+    """Call fn(*args) on `world` spawned ranks; raises if any rank fails. fn must be importable.
+    join_group=False: the ranks get only torchrun's environment and fn joins the group itself."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_worker, args=(world, free_port(), threads, fn, args), nprocs=world, join=True,
+    mp.start_processes(_worker, args=(world, free_port(), threads, join_group, fn, args), nprocs=world, join=True,
                        start_method="spawn")

@@ -155,18 +155,10 @@ class ParallelDims:
         return device
 
     def leave(self) -> None:
-        """After a run that succeeded on every rank: wait for the others, then destroy the process
-        groups this object created (a no-op for a group the caller made, e.g. `launch.local`).
-        Without this a rank could abort as Python shut down (SIGABRT, "terminate called without an
-        active exception"): a gloo worker thread freeing a finished collective's tensor needs the
-        GIL, which the exiting interpreter no longer hands out, and the thread's forced unwind
-        ends in std::terminate (seen in a core dump: ~AsyncAllgatherWork → decref_pyobject →
-        take_gil → pthread_exit); 3 aborts in 80 two-rank torchrun runs, three at a time on 2 cores.
-        destroy_process_group waits for pending work and stops those threads while Python is alive.
-        """
+        """After a run that succeeded on every rank: leave the process group if this object created
+        it (a group the caller made, e.g. `launch.local`'s, stays). See `leave_process_group`."""
         if self.owns_process_group and dist.is_initialized():
-            dist.barrier()  # no rank leaves while another still talks to it (a last save's commit)
-            dist.destroy_process_group()
+            leave_process_group()
             self.owns_process_group = False
 
     def _store(self):
@@ -240,3 +232,17 @@ class ParallelDims:
     def pp_group(self):
         """The process group of this rank's pipeline (one rank per stage), or None without pp."""
         return self.pp_mesh.get_group() if self.pp > 1 else None
+
+
+def leave_process_group() -> None:
+    """Wait for every rank, then destroy all process groups, while Python is still alive.
+
+    A process that exits with its gloo groups alive can abort during interpreter shutdown (SIGABRT,
+    "terminate called without an active exception"): a gloo worker thread freeing a finished
+    collective's tensor needs the GIL, which the exiting interpreter no longer hands out, and the
+    thread's forced unwind ends in std::terminate (seen in a core dump: ~AsyncAllgatherWork →
+    decref_pyobject → take_gil → pthread_exit); 3 aborts in 80 two-rank torchrun runs, three at a
+    time on 2 cores, before this was called. destroy_process_group waits for pending work and stops
+    those threads. Call it only after success: after a failure another rank may never arrive."""
+    dist.barrier()  # no rank leaves while another still talks to it (a last save's commit)
+    dist.destroy_process_group()
