@@ -32,13 +32,17 @@ def test_batched_tokenize_matches_single_encoding_and_keeps_order(tmp_path, monk
     tokenizer = Tokenizer.load(tmp_path / "out" / "tokenizer.json")
     out = [json.loads(line) for line in (tmp_path / "out" / "in.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [r["n"] for r in out] == list(range(13))
-    assert all(r["tokens"] == tokenizer.hf.encode(r["text"], add_special_tokens=False).ids for r in out)
+    assert all(r["tokens"].startswith("uint16:") for r in out)  # packed (frame.pack_tokens), a 300-token vocabulary
+    assert all(frame.unpack_tokens(r["tokens"]).tolist() == tokenizer.hf.encode(r["text"], add_special_tokens=False).ids
+               for r in out)
     assert tokenizer.encode_batch(["", "a <|endoftext|> b"]) == [[], tokenizer.hf.encode("a <|endoftext|> b").ids]
     sizes = [len(r["text"].encode("utf-8")) for r in out]
     n_sampled = next(k for k in range(1, 14) if sum(sizes[:k]) >= 500)  # the document that reaches the cap is in
     audit = json.loads((tmp_path / "out" / "audit.json").read_text(encoding="utf-8"))
-    assert audit["corpus"]["bytes"] == sum(sizes[:n_sampled]) + n_sampled - 1  # joined with newlines
-    assert summary["tokens_out"] == sum(len(r["tokens"]) for r in out)
+    assert audit["corpus"]["bytes"] == sum(sizes[:n_sampled])
+    assert audit["corpus"]["tokens"] == sum(len(frame.unpack_tokens(r["tokens"])) for r in out[:n_sampled])
+    assert audit["corpus"]["round_trip"] and audit["corpus"]["unknown_tokens"] == 0
+    assert summary["tokens_out"] == sum(len(frame.unpack_tokens(r["tokens"])) for r in out)
     decisions = [json.loads(line)["decision"]
                  for line in (tmp_path / "out" / "_decisions" / "in.jsonl").read_text(encoding="utf-8").splitlines()]
     expected = ["kept"] * 13

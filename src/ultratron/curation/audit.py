@@ -9,6 +9,8 @@ training on them).
 
 from __future__ import annotations
 
+import numpy as np
+
 PROBES: dict[str, str] = {
     "english": "The committee reviewed the proposal carefully and decided to postpone the vote "
                "until every member had read the final report.",
@@ -24,23 +26,29 @@ PROBES: dict[str, str] = {
 }
 
 
-def _measure(tokenizer, text: str) -> dict:
-    ids = tokenizer.encode(text)
-    n_bytes = len(text.encode("utf-8"))
-    words = max(len(text.split()), 1)
+def _measure(tokenizer, texts: list[str], ids: list[list[int]] | None = None) -> dict:
+    """Figures over `texts` together; `ids`: their token ids, if already encoded."""
+    if ids is None:
+        ids = [tokenizer.encode(text) for text in texts]
+    n_bytes = sum(len(text.encode("utf-8")) for text in texts)
+    n_tokens = sum(len(i) for i in ids)
+    words = max(sum(len(text.split()) for text in texts), 1)
     unk_id = tokenizer.hf.token_to_id("<unk>") if hasattr(tokenizer, "hf") else None
     vocab_size = tokenizer.vocab_size  # once: a property that asks the Rust tokenizer
-    unknown = sum(1 for i in ids if i >= vocab_size or i == unk_id)
-    return {"bytes": n_bytes, "tokens": len(ids), "bytes_per_token": round(n_bytes / max(len(ids), 1), 3),
-            "tokens_per_word": round(len(ids) / words, 3), "round_trip": tokenizer.decode(ids) == text,
+    flat = np.concatenate([np.asarray(doc, dtype=np.int64) for doc in ids]) if ids else np.zeros(0, np.int64)
+    unknown = int(np.count_nonzero((flat >= vocab_size) | (flat == (-1 if unk_id is None else unk_id))))
+    round_trip = all(tokenizer.decode(np.asarray(i).tolist()) == text for text, i in zip(texts, ids, strict=True))
+    return {"bytes": n_bytes, "tokens": n_tokens, "bytes_per_token": round(n_bytes / max(n_tokens, 1), 3),
+            "tokens_per_word": round(n_tokens / words, 3), "round_trip": round_trip,
             "unknown_tokens": unknown}
 
 
 def audit_tokenizer(tokenizer, corpus_sample: list[str], poor_compression_ratio: float = 0.5,
-                    probes: dict[str, str] | None = None) -> dict:
-    """Per-domain figures, the corpus's own, and warnings (one line each)."""
-    domains = {name: _measure(tokenizer, text) for name, text in (probes or PROBES).items()}
-    corpus = _measure(tokenizer, "\n".join(corpus_sample)) if corpus_sample else None
+                    probes: dict[str, str] | None = None, corpus_ids: list[list[int]] | None = None) -> dict:
+    """Per-domain figures, the corpus's own (over the sample's documents; `corpus_ids`: their
+    ids, when the caller has encoded them already), and warnings (one line each)."""
+    domains = {name: _measure(tokenizer, [text]) for name, text in (probes or PROBES).items()}
+    corpus = _measure(tokenizer, corpus_sample, corpus_ids) if corpus_sample else None
     warnings = []
     for name, m in domains.items():
         if not m["round_trip"]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ultratron.curation.frame import StageContext, iter_records
+from ultratron.curation.frame import StageContext, count_tokens, iter_records, unpack_tokens
 from ultratron.curation.stages.tokenize import TOKENIZER_FILE
 from ultratron.data.sources import held_out
 from ultratron.errors import DataError
@@ -37,7 +37,7 @@ def _write_parquet(args: tuple[str, str, float]) -> str:
             continue
         rows["id"].append(record["id"])
         rows["text"].append(record["text"])
-        rows["n_tokens"].append(len(record.get("tokens", ())))
+        rows["n_tokens"].append(count_tokens(record.get("tokens")))
         rows["split"].append(_split(record["id"], fraction))
     tmp = out_path + ".tmp"
     pq.write_table(pa.table(rows, schema=pa.schema([("id", pa.string()), ("text", pa.string()),
@@ -50,22 +50,30 @@ def _write_token_shards(ctx: StageContext, tokenizer) -> dict:
     from ultratron.data.shards import ShardWriter
 
     fraction = ctx.cfg.shard.held_out_fraction
+    vocab_size = tokenizer.vocab_size
     result = {}
     for split in ("train", "val"):
         split_dir = ctx.out_dir / split
         if (split_dir / SHARD_META).is_file():  # finished on an earlier run
             result[split] = json.loads((split_dir / SHARD_META).read_text())
             continue
-        writer = ShardWriter(split_dir, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+        writer = ShardWriter(split_dir, vocab_size=vocab_size, eos_id=tokenizer.eos_id,
                              tokenizer_sha256=tokenizer.sha256,
                              tokens_per_shard=ctx.cfg.shard.tokens_per_shard)
         n_bytes = 0
         for part in ctx.parts():
-            for _, record, _problem in iter_records(part):
+            for line_no, record, _problem in iter_records(part):
                 if record is None or _split(record["id"], fraction) != split:
                     continue
-                tokens = record.get("tokens")
-                if tokens is None:
+                if "tokens" in record:
+                    try:
+                        tokens = unpack_tokens(record["tokens"])
+                    except DataError as err:
+                        raise DataError(f"{part}:{line_no}: {err}") from None
+                    if len(tokens) and int(tokens.max()) >= vocab_size:
+                        raise DataError(f"{part}:{line_no}: token id {int(tokens.max())} is outside the "
+                                        f"tokenizer's vocabulary of {vocab_size}")
+                else:
                     tokens = tokenizer.encode(record["text"])
                 writer.add(tokens)
                 n_bytes += len(record["text"].encode("utf-8"))
