@@ -13,10 +13,10 @@ of processes and threads, and far less disturbed than wall time by other jobs on
 Then the two steps the acceptance figures (≥ 5 MB/s per core) name, alone in this process:
 MinHash signatures (one thread, ≤ 5 MB) and tokenizer encoding (`Tokenizer.encode_batch`, which
 is tiktoken where it gives the same ids, `data/fast_bpe.py`; beside it `tokenizers` itself).
-Process and thread counts: `--workers` worker processes do the per-part work; in them the
-tokenizer encodes on one thread each (`tokenizers` turns its thread pool off in a forked child
-once the parent has used it), while with one worker it encodes in the driver on every core.
-With the defaults it takes about 2–3 minutes on 2 shared cores.
+Process and thread counts: `--workers` worker processes do the per-part work; in each, tiktoken
+encodes on a thread per core (up to 8, `FastBPE.threads`; `tokenizers`, where it encodes
+instead, turns its thread pool off in a forked child once the parent has used it), and with one
+worker the driver encodes on every core. With the defaults it takes about a minute on 2 cores.
 """
 
 from __future__ import annotations
