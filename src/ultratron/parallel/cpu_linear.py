@@ -7,12 +7,21 @@ oneDNN: forward 140–190 → 250–410, input gradient 180–190 → 370–440,
 (the vocabulary head's, 4096 wide, 177 → 169: no gain there). Both accumulate in fp32: the results
 differ from MKL's by the rounding of a different summation order (relative 1e-6).
 
+The weight gradient, grad.T @ x, contracts over the tokens, the leading dimension of both
+operands. MKL's sgemm reads them transposed in place; oneDNN's linear wants the contracted
+dimension last in both, so it needed a copy of each activation first. On a later day of the same
+machine (MKL's forward at 178, oneDNN's at 205 GFLOP/s), those copies made oneDNN's weight
+gradient slower than MKL's (147–173 vs 157–185; the head's 106 vs 169), and the compiled fp32
+step ran 4–14 % faster with MKL's (the two interleaved in one process, four comparisons of 8–16
+steps each); an earlier day saw no difference. So the weight gradient is MKL's; the forward and
+the input gradient stay oneDNN's.
+
 `apply_cpu_linear` turns each bias-free `nn.Linear` of a CPU model into `OneDNNLinear`: the same
 module, parameters and state-dict names, whose forward calls the custom op `ultratron::linear`
-(forward, input gradient and weight gradient each one oneDNN matmul) when the step computes in
-fp32 on plain tensors, and `F.linear` otherwise — under bf16 autocast (torch already uses oneDNN
-for bf16), on DTensors (tensor parallel; FSDP2 hands the layer its gathered weight as a plain
-tensor, so ZeRO keeps the fast path), in other dtypes. Selective recompute saves the op's output
+(forward and input gradient one oneDNN matmul each, the weight gradient one MKL sgemm) when the
+step computes in fp32 on plain tensors, and `F.linear` otherwise — under bf16 autocast (torch
+already uses oneDNN for bf16), on DTensors (tensor parallel; FSDP2 hands the layer its gathered
+weight as a plain tensor, so ZeRO keeps the fast path), in other dtypes. Selective recompute saves the op's output
 as it saves aten's matmuls (`parallel/recompute.py`); torch.compile keeps it as one opaque call.
 `auto` (the default) uses it only where a probe at start agrees with `F.linear` (values and both
 gradients within 1e-5 relative); `onednn` insists (an error says why it cannot); `aten` is torch's.
@@ -48,8 +57,9 @@ def _(x, weight):
 
 @torch.library.custom_op("ultratron::linear_weight_grad", mutates_args=())
 def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """grad.T @ x over all leading dimensions: the weight's gradient, (out, in)."""
-    return _matmul(grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]).t())
+    """grad.T @ x over all leading dimensions: the weight's gradient, (out, in), in MKL's sgemm,
+    which reads the transposed gradient in place (see the module docstring for why not oneDNN)."""
+    return torch.mm(grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
 
 
 @_weight_grad.register_fake
