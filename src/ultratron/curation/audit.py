@@ -37,7 +37,7 @@ def _measure(tokenizer, texts: list[str], ids: list[list[int]] | None = None) ->
     vocab_size = tokenizer.vocab_size  # once: a property that asks the Rust tokenizer
     flat = np.concatenate([np.asarray(doc, dtype=np.int64) for doc in ids]) if ids else np.zeros(0, np.int64)
     unknown = int(np.count_nonzero((flat >= vocab_size) | (flat == (-1 if unk_id is None else unk_id))))
-    round_trip = all(tokenizer.decode(np.asarray(i).tolist()) == text for text, i in zip(texts, ids, strict=True))
+    round_trip = all(tokenizer.decode(i) == text for text, i in zip(texts, ids, strict=True))
     return {"bytes": n_bytes, "tokens": n_tokens, "bytes_per_token": round(n_bytes / max(n_tokens, 1), 3),
             "tokens_per_word": round(n_tokens / words, 3), "round_trip": round_trip,
             "unknown_tokens": unknown}

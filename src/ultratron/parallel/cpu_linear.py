@@ -1,4 +1,4 @@
-"""fp32 linear layers on a CPU through oneDNN's matmul (`training.cpu_linear`).
+"""fp32 linear layers on a CPU through oneDNN's matmul, the weight gradient through MKL's (`training.cpu_linear`).
 
 torch computes an fp32 `F.linear` on a CPU with MKL's sgemm. On AMD CPUs MKL runs its AVX2 code,
 not AVX-512; oneDNN (which torch ships, and uses itself for bf16 matmuls) runs AVX-512 on both
@@ -21,8 +21,9 @@ module, parameters and state-dict names, whose forward calls the custom op `ultr
 (forward and input gradient one oneDNN matmul each, the weight gradient one MKL sgemm) when the
 step computes in fp32 on plain tensors, and `F.linear` otherwise — under bf16 autocast (torch
 already uses oneDNN for bf16), on DTensors (tensor parallel; FSDP2 hands the layer its gathered
-weight as a plain tensor, so ZeRO keeps the fast path), in other dtypes. Selective recompute saves the op's output
-as it saves aten's matmuls (`parallel/recompute.py`); torch.compile keeps it as one opaque call.
+weight as a plain tensor, so ZeRO keeps the fast path), in other dtypes. Selective recompute saves
+the op's output as it saves aten's matmuls (`parallel/recompute.py`); torch.compile keeps it as
+one opaque call.
 `auto` (the default) uses it only where a probe at start agrees with `F.linear` (values and both
 gradients within 1e-5 relative); `onednn` insists (an error says why it cannot); `aten` is torch's.
 """

@@ -92,7 +92,7 @@ def run(ctx: StageContext) -> dict:
     written = [ctx.out_dir / f"{p.stem}.jsonl" for p in parts]
     sample = [r for _, r in zip(range(AUDIT_SAMPLE_DOCS), _records(written, AUDIT_SAMPLE_BYTES), strict=False)]
     audit = audit_tokenizer(tokenizer, [r["text"] for r in sample], t.poor_compression_ratio,
-                            corpus_ids=[unpack_tokens(r["tokens"]) for r in sample])
+                            corpus_ids=[unpack_tokens(r["tokens"]).tolist() for r in sample])
     write_json(ctx.out_dir / AUDIT_FILE, audit)
     return {"tokenizer": str(path), "tokenizer_sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
             "audit_warnings": audit["warnings"], "audit_round_trip": audit["all_round_trip"],
