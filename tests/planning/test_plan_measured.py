@@ -3,7 +3,14 @@
 in fp32 on CPU), its loss and its fused AdamW. Static terms are read from the tensors; activations
 are every byte the allocator hands out (`parallel.memory.AllocatedBytes`, torch.profiler's memory
 events), on the second micro-batch of an accumulation, so the gradients already exist as the
-planner assumes: what forward leaves alive, and the peak backward reaches on top of it."""
+planner assumes: what forward leaves alive, and the peak backward reaches on top of it.
+
+What differs between CPUs is kept out of the comparison by measuring it: the scratch a kernel
+allocates and frees inside one operator call (oneDNN's scratchpad and its packed copy of a bf16
+weight on CPUs with AVX-512 or AMX, which put one Intel Xeon 5.1% above the plan when it was
+counted) is measured on the running machine, reported, and left out (`AllocatedBytes`). The
+tensors a step creates are the same on every CPU, so the rest is compared with tolerances that
+follow from the planner's model, not from one machine's numbers."""
 
 import dataclasses
 
@@ -17,6 +24,7 @@ from ultratron.models.registry import plan_of
 from ultratron.parallel.cpu_linear import apply_cpu_linear, probe
 from ultratron.parallel.memory import AllocatedBytes
 from ultratron.parallel.recompute import apply_recompute
+from ultratron.planning.activations import dtypes_of
 from ultratron.planning.memory import Layout, estimate_memory
 from ultratron.training.loss import cross_entropy
 from ultratron.training.optim import build_optimizer
@@ -50,6 +58,9 @@ def measure(model_cfg: ModelConfig, layout: Layout, cpu_linear: str = "aten") ->
     with AllocatedBytes() as meter:
         micro_batch(meter)
     optimizer.step()
+    print(f"kernel scratch on this CPU: up to {meter.scratch_peak} bytes at once (left out); peak with it "
+          f"{meter.raw_peak - meter.at('forward'):+} bytes over forward's leftovers, without it "
+          f"{meter.peak - meter.at('forward'):+}")
     params = list({id(p): p for p in model.parameters()}.values())
     return {"parameters": tensor_bytes(params), "gradients": tensor_bytes(p.grad for p in params),
             "optimizer_states": tensor_bytes(v for s in optimizer.state.values() for k, v in s.items() if k != "step"),
@@ -109,10 +120,31 @@ def _check_against_the_plan(fields, layout, cpu_linear):
     for term in ("parameters", "gradients", "optimizer_states"):
         assert measured[term] == getattr(planned, term), term  # static terms exactly
     after_forward = planned.activations + planned.loss_logits
-    assert after_forward == pytest.approx(measured["after_forward"], rel=0.005)  # measured: within 8 bytes
-    # the peak on top of it, at the loss's or a block's backward: measured −4% … +1.1% of the sum
+    assert abs(after_forward - measured["after_forward"]) <= forward_tolerance(model_cfg, layout), "after forward"
+    # The peak on top of it. The planner places backward's peak at one moment (the loss's backward, or
+    # the MLP's backward of a block with the tensors it holds then); under recomputation torch frees each
+    # recomputed tensor once backward has used it and stops recomputing when the needed ones exist, so
+    # the real peak can fall one operator earlier or later: one tensor more or less, never more than the
+    # largest a block makes (the SwiGLU's p·T·f, or the residual's width). Measured: at most 0.84 of it.
     measured_peak = measured["after_forward"] + measured["backward_peak"]
-    assert after_forward + planned.transient == pytest.approx(measured_peak, rel=0.05)
+    assert abs(after_forward + planned.transient - measured_peak) <= largest_block_tensor(model_cfg, layout), \
+        (after_forward + planned.transient, measured_peak)
+
+
+def forward_tolerance(model_cfg: ModelConfig, layout: Layout) -> float:
+    """What the planner leaves out of forward's leftovers: the loss's scalars (8 bytes each, a few);
+    with a mixture of experts also the router's index, weight and count tensors, which it prices at a
+    flat 36 bytes per routed slot (`planning.experts`) while torch's sort, gather and per-expert
+    grouping allocate a little less (measured 3.8 and 5.8 bytes a slot under it): 8 bytes a slot."""
+    tokens = layout.mbs * layout.seq
+    routed = (model_cfg.n_active_experts or 0) * tokens * model_cfg.n_layers if model_cfg.n_experts else 0
+    return 64 + 8 * routed
+
+
+def largest_block_tensor(model_cfg: ModelConfig, layout: Layout) -> float:
+    """Bytes of the largest activation one block creates: p·T·max(f, h) (p: matmul output bytes)."""
+    width = max(model_cfg.ffn_dim, model_cfg.dim, (model_cfg.expert_ffn_dim or 0))
+    return dtypes_of(layout).compute * layout.mbs * layout.seq * width
 
 
 def test_recompute_modes_keep_less_in_the_order_planned():
@@ -122,5 +154,5 @@ def test_recompute_modes_keep_less_in_the_order_planned():
         layout = Layout(mbs=2, seq=64, recompute=mode, precision="bf16", attention_fp32=True)
         sizes[mode] = measure(model_cfg, layout)["after_forward"]
         planned = estimate_memory(model_cfg, layout)
-        assert planned.activations + planned.loss_logits == pytest.approx(sizes[mode], rel=0.005)
+        assert abs(planned.activations + planned.loss_logits - sizes[mode]) <= forward_tolerance(model_cfg, layout)
     assert sizes["none"] > sizes["selective"] > sizes["full"]

@@ -32,12 +32,18 @@ class AllocatedBytes:
     `profile_memory=True`): `at(name)` — the bytes allocated since the start and still alive at
     `meter.mark(name)`; `peak` — the most alive at any moment; `end` — alive at the end. Frees of
     tensors allocated before the start are not seen, so measure a stretch that frees only what it
-    allocated (a micro-batch's forward and backward, with the gradients already allocated)."""
+    allocated (a micro-batch's forward and backward, with the gradients already allocated).
+
+    Kernel scratch is kept apart: bytes an operator's kernel allocates itself (not through another
+    operator) and frees before that operator returns — oneDNN's scratchpad and weight packing
+    (bf16 matmuls on CPUs with AVX-512 or AMX), a BLAS's workspace. It depends on which CPU and
+    which kernel runs, not on the tensors a step creates, so `peak` and `at` leave it out;
+    `scratch_peak` is the most of it alive at once, `raw_peak` the peak with it."""
 
     def __init__(self):
         self._profile = None
         self.marks: dict[str, int] = {}
-        self.peak = self.end = 0
+        self.peak = self.end = self.raw_peak = self.scratch_peak = 0
 
     def __enter__(self) -> AllocatedBytes:
         from torch.profiler import ProfilerActivity, profile
@@ -53,22 +59,58 @@ class AllocatedBytes:
 
     def __exit__(self, *exc) -> None:
         self._profile.__exit__(*exc)
-        events = self._profile.profiler.kineto_results.events()
-        memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-        marks = sorted((e.start_ns(), e.name().split("/", 1)[1]) for e in events
-                       if e.name().startswith("ultratron.mark/"))
-        alive = 0
-        for when, nbytes in memory:
+        allocations, marks = _allocation_events(self._profile.profiler.kineto_results.experimental_event_tree())
+        scratch = _kernel_scratch(allocations)
+        alive = raw = in_scratch = 0
+        for index, (when, _, nbytes, _) in enumerate(allocations):
             while marks and marks[0][0] < when:
                 self.marks[marks.pop(0)[1]] = alive
-            alive += nbytes
-            self.peak = max(self.peak, alive)
+            raw += nbytes
+            if index in scratch:
+                in_scratch += nbytes
+            else:
+                alive += nbytes
+            self.peak, self.raw_peak = max(self.peak, alive), max(self.raw_peak, raw)
+            self.scratch_peak = max(self.scratch_peak, in_scratch)
         for _, name in marks:
             self.marks[name] = alive
         self.end = alive
 
     def at(self, name: str) -> int:
         return self.marks[name]
+
+
+def _allocation_events(roots) -> tuple[list[tuple], list[tuple[int, str]]]:
+    """[(time, address, bytes (< 0: a free), the operator event that did it)] in time order, and the
+    marks [(time, name)], from the profiler's event tree."""
+    from torch._C._profiler import _EventType
+
+    allocations, marks, stack = [], [], [(root, None) for root in roots]
+    while stack:
+        event, parent = stack.pop()
+        if event.typed[0] == _EventType.Allocation:
+            fields = event.extra_fields
+            allocations.append((event.start_time_ns, fields.ptr, fields.alloc_size, parent))
+        elif event.name.startswith("ultratron.mark/"):
+            marks.append((event.start_time_ns, event.name.split("/", 1)[1]))
+        stack.extend((child, event) for child in event.children)
+    allocations.sort(key=lambda a: a[0])
+    return allocations, sorted(marks)
+
+
+def _kernel_scratch(allocations: list[tuple]) -> set[int]:
+    """Indices of the allocations and frees of kernel scratch: allocated and freed directly by the
+    same operator call (a tensor an operator returns is freed later, elsewhere)."""
+    opened: dict[int, tuple[int, object]] = {}
+    scratch: set[int] = set()
+    for index, (_, address, nbytes, parent) in enumerate(allocations):
+        if nbytes > 0:
+            opened[address] = (index, parent)
+        elif address in opened:
+            start, owner = opened.pop(address)
+            if owner is not None and owner is parent and not owner.name.startswith("ultratron.mark/"):
+                scratch.update((start, index))
+    return scratch
 
 
 class LiveTensors:

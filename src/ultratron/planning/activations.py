@@ -41,8 +41,10 @@ Backward transients (on top of what forward left alive, measured as above): the 
 allocates two fp32 T×v/t gradients (three under loss_parallel); a recomputed block re-creates
 its activations (a selective one reuses what it cached and drops wo's and w2's outputs) and, at
 its MLP's backward, holds the residual's gradient r·T·h/g (+ its p cast under autocast) and two
-p·T·f/t gradients (of the product and of one of its factors). Measured: the peak within −4% …
-+1% of the step's own.
+p·T·f/t gradients (of the product and of one of its factors). Measured: the peak within one
+block tensor of the step's own (torch frees a recomputed tensor once backward has used it, so the
+real peak can fall an operator earlier or later), kernel scratch left out (it depends on the CPU:
+`parallel.memory.AllocatedBytes`).
 """
 
 from __future__ import annotations
