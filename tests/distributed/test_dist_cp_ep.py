@@ -3,9 +3,10 @@ the other axes, and expert-parallel checkpoints resume under another ep and in o
 
 Dense layouts compare with the session's one-process reference (dist_common); the mixture-of-experts
 ones with a one-process run of the same MoE (4 experts, top-2, both balancing methods on: the aux
-loss and the DeepSeek-V3 bias). fp32, five steps: losses within 1e-5 relative, gradient norms within
-1e-4; MoE runs also route exactly as one process (the same slots per expert at every step) and
-report the same balancing loss. Three launches (2, 4 and 8 ranks) run the layouts in a row.
+loss and the DeepSeek-V3 bias). fp32, compared as dist_common's `assert_equivalent` does (losses,
+gradient norms, validation losses, final weights); MoE runs also route exactly as one process (the
+same slots per expert at every step) and report the same balancing loss. Three launches (2, 4 and 8
+ranks) run the layouts in a row.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from dist_common import STEPS, dist_base_fixture, launch, records, references_fixture  # noqa: F401 (fixtures)
+from dist_common import assert_equivalent, dist_base_fixture, launch, references_fixture  # noqa: F401 (fixtures)
 
 from ultratron.config import load_config
 from ultratron.training.trainer import train
@@ -78,46 +79,30 @@ def eight_rank_runs(dist_base, references, moe_reference, tmp_path_factory):
     return _launch(8, RANKS_8, dist_base, tmp_path_factory.mktemp("cpep-eight"))
 
 
-def _assert_matches(got: list[dict], expected: list[dict], name: str, first_step: int = 1) -> None:
-    assert [r["step"] for r in got] == list(range(first_step, STEPS + 1)), f"{name}: each step logged once"
-    expected = {r["step"]: r for r in expected}
-    loss_diff = max(abs(m["loss"] - expected[m["step"]]["loss"]) / expected[m["step"]]["loss"] for m in got)
-    norm_diff = max(abs(m["grad_norm"] - expected[m["step"]]["grad_norm"]) for m in got)
-    print(f"{name}: loss within {loss_diff:.1e} relative, grad norm within {norm_diff:.1e}")
-    for mine in got:
-        ref = expected[mine["step"]]
-        assert abs(mine["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (name, mine, ref)
-        assert abs(mine["grad_norm"] - ref["grad_norm"]) <= 1e-4, (name, mine, ref)
-        if "moe_load" in ref:  # the same routing, slot for slot, and the same balancing loss
-            assert mine["moe_load"] == ref["moe_load"], (name, mine["step"])
-            assert abs(mine["moe_aux_loss"] - ref["moe_aux_loss"]) <= 1e-5 * ref["moe_aux_loss"], name
-    assert expected[STEPS]["loss"] < expected[1]["loss"]  # the runs learn: agreement is not the trivial kind
-
-
-def _reference(name: str, layouts: dict, references, moe_reference) -> list[dict]:
-    return records(moe_reference) if _is_moe(layouts.get(name, MOE)) else references["fp32"]
+def _reference(name: str, layouts: dict, references, moe_reference):
+    return moe_reference if _is_moe(layouts.get(name, MOE)) else references["fp32"]
 
 
 @pytest.mark.parametrize("name", list(RANKS_2))
 def test_two_rank_cp_and_ep_equal_one_process(two_rank_runs, references, moe_reference, name):
-    _assert_matches(records(two_rank_runs[name]), _reference(name, RANKS_2, references, moe_reference), name)
+    assert_equivalent(two_rank_runs[name], _reference(name, RANKS_2, references, moe_reference), "fp32", name)
 
 
 @pytest.mark.parametrize("name", list(RANKS_4))
 def test_four_rank_cp_and_ep_layouts_equal_one_process(four_rank_runs, references, moe_reference, name):
-    _assert_matches(records(four_rank_runs[name]), _reference(name, RANKS_4, references, moe_reference), name)
+    assert_equivalent(four_rank_runs[name], _reference(name, RANKS_4, references, moe_reference), "fp32", name)
 
 
 @pytest.mark.parametrize("name", list(RANKS_8))
 def test_dp2_cp2_tp2_on_eight_ranks_equals_one_process(eight_rank_runs, references, moe_reference, name):
-    _assert_matches(records(eight_rank_runs[name]), _reference(name, RANKS_8, references, moe_reference), name)
+    assert_equivalent(eight_rank_runs[name], _reference(name, RANKS_8, references, moe_reference), "fp32", name)
 
 
 @pytest.mark.parametrize("layout", ["resumed-ep4", "resumed-one"])
 def test_an_ep2_checkpoint_resumes_under_ep4_and_in_one_process(four_rank_runs, moe_reference, layout):
     ckpt = four_rank_runs["ep2xdp2"] / "checkpoints" / f"step-{SAVE_AT:07d}"
     assert (ckpt / "complete").is_file() and len(list((ckpt / "dcp").glob("*.distcp"))) == 4
-    _assert_matches(records(four_rank_runs[layout]), records(moe_reference), layout, SAVE_AT + 1)
+    assert_equivalent(four_rank_runs[layout], moe_reference, "fp32", layout, SAVE_AT + 1)
 
 
 def test_an_ep_checkpoint_loads_for_inference_in_one_process(four_rank_runs, moe_reference):

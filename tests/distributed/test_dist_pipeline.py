@@ -2,10 +2,10 @@
 composed with data and tensor parallel; its checkpoints reshard into other layouts.
 
 An 8-layer model (so that pp4 × 2 virtual stages have a layer each); the reference is the same
-model in one process. Tolerances as in test_dist_equivalence: fp32 losses within 1e-5 relative and
-gradient norms within 1e-4 for five steps; bf16 within 1e-2 / 5e-2 relative. Every run also
-validates (at steps 0 and 5: the pipeline's forward-only pass) and samples at the end (fp32: the
-same text as one process). Three launches (2, 4 and 8 ranks) run all the layouts in a row.
+model in one process, compared as dist_common's `assert_equivalent` does (losses, gradient norms,
+validation losses at the first and last step — the pipeline's forward-only pass — and final
+weights). Every run also samples at the end (fp32: the same text as one process). Three launches
+(2, 4 and 8 ranks) run all the layouts in a row.
 Data parallel under pp runs on FSDP2's machinery, which torch's stages drive: zero 0 as
 `replicate` (DDP's arithmetic), zero 1 and 2 as FSDP2 without resharding, zero 3 with it.
 """
@@ -15,16 +15,16 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from dist_common import STEPS, dist_base_fixture, launch, records  # noqa: F401 (fixtures)
+from dist_common import STEPS, assert_equivalent, dist_base_fixture, launch, records  # noqa: F401 (fixtures)
 
 from ultratron.config import load_config
-from ultratron.training.metrics import read_metrics
 from ultratron.training.trainer import train
 
 SAVE_AT = 3
-EXTRA = ["--model.n_layers", "8", "--eval.interval", "5", "--eval.batches", "2", "--training.sample_tokens", "8",
+# At dist_common's learning rate (3e-3) the 8-layer model's gradient norm jumps 3x by step 6 and its
+# fp32 and bf16 runs part ways, where any difference is amplified; at 1e-3 both run smoothly.
+EXTRA = ["--model.n_layers", "8", "--optim.lr", "1e-3", "--training.sample_tokens", "8",
          "--checkpoint.interval", str(SAVE_AT)]
-TOLERANCE = {"fp32": (1e-5, 1e-4, False), "bf16": (1e-2, 5e-2, True)}  # loss rel, norm, norm relative?
 
 PP2 = {f"pp2-{s}": ["--parallel.pp", "2", "--parallel.pp_schedule", s]
        for s in ("gpipe", "1f1b", "interleaved-1f1b", "zb", "zbv", "dualpipev")}
@@ -105,22 +105,9 @@ def _sample(run_dir) -> str:
 
 
 def _assert_matches(run_dir, reference_dir, precision: str, name: str, first_step: int = 1) -> None:
-    loss_tol, norm_tol, norm_relative = TOLERANCE[precision]
-    got, expected = read_metrics(run_dir), {r["step"]: r for r in read_metrics(reference_dir)}
-    steps = [r for r in got if "loss" in r]
-    assert [r["step"] for r in steps] == list(range(first_step, STEPS + 1)), f"{name}: each step logged once"
-    for mine in steps:
-        ref = expected[mine["step"]]
-        assert abs(mine["loss"] - ref["loss"]) <= loss_tol * abs(ref["loss"]), (name, precision, mine, ref)
-        bound = norm_tol * (abs(ref["grad_norm"]) if norm_relative else 1.0)
-        assert abs(mine["grad_norm"] - ref["grad_norm"]) <= bound, (name, precision, mine, ref)
-    validated = [r for r in got if "val_loss" in r]
-    assert [r["step"] for r in validated] == ([0] if first_step == 1 else []) + [STEPS], name
-    for mine in validated:
-        assert abs(mine["val_loss"] - expected[mine["step"]]["val_loss"]) <= loss_tol * mine["val_loss"], name
+    assert_equivalent(run_dir, reference_dir, precision, name, first_step)
     if precision == "fp32":
         assert _sample(run_dir) == _sample(reference_dir), name
-    assert expected[STEPS]["loss"] < expected[1]["loss"]  # the runs learn: agreement is not the trivial kind
 
 
 @pytest.mark.parametrize("name,precision", list(RANKS_2) + [("from-one", "fp32")])
