@@ -19,7 +19,7 @@ quickstart: setup
 	$(VENV)/bin/ultratron quickstart
 
 test: setup
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
