@@ -17,7 +17,8 @@ on a normal exit, Ctrl-C or SIGTERM). The tests run in the copy with `PYTHONPATH
 first, so spawned ranks and `python -m ultratron` subprocesses import the mutant too; each copy is
 checked to import its own `ultratron` before its tests run.
 
-Outcomes: `caught` (a guarding test failed or errored; the table names the failing tests), MISSED
+Outcomes: `caught` (a guarding test failed or errored; the table names them, "(errored)" where the
+bug crashed a test or its fixture rather than failing an assertion), MISSED
 (every guarding test passed with the bug planted), `timeout` (the tests ran past --timeout; a
 hang the bug causes shows up here), `stale` (the edit no longer applies: update the list),
 `error` (pytest itself could not run, e.g. a collection error), `skipped` (the tests were
@@ -39,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -208,7 +209,8 @@ assert len(BY_ID) == len(MUTATIONS), "mutation ids must be unique"
 class Result:
     id: str
     status: str  # caught | MISSED | timeout | stale | error | skipped
-    failed: list[str] = field(default_factory=list)  # node ids that failed or errored
+    failed: list[str] = field(default_factory=list)  # node ids that failed an assertion
+    errored: list[str] = field(default_factory=list)  # node ids that errored (e.g. a rank crashed in a fixture)
     counts: dict[str, int] = field(default_factory=dict)  # pytest's summary: passed, failed, error, skipped
     seconds: float = 0.0
     detail: str = ""  # why, for stale / error / timeout; the output's tail otherwise
@@ -218,7 +220,9 @@ class Result:
             return self.status
         ran = sum(self.counts.get(k, 0) for k in ("passed", "failed", "error"))
         bad = self.counts.get("failed", 0) + self.counts.get("error", 0)
-        return f"caught by {_names(self.failed) or '?'}" + (f" ({bad}/{ran} failed)" if ran > 1 else "")
+        which = [_names(self.failed)] if self.failed else []
+        which += [f"{_names(self.errored)} (errored)"] if self.errored else []
+        return f"caught by {'; '.join(which) or '?'}" + (f" ({bad}/{ran} failed)" if ran > 1 else "")
 
 
 def _short(node: str) -> str:
@@ -353,25 +357,28 @@ def _kill(proc: subprocess.Popen) -> None:
         pass
 
 
-def _summary(out: str) -> tuple[list[str], dict[str, int]]:
-    failed = [m.group(2) for m in re.finditer(r"^(FAILED|ERROR) (\S+)", out, re.MULTILINE)]
+def _summary(out: str) -> tuple[list[str], list[str], dict[str, int]]:
+    """(failed node ids, errored node ids, pytest's counts) from the -rfE summary."""
+    found = {kind: [m.group(1) for m in re.finditer(rf"^{kind} (\S+)", out, re.MULTILINE)]
+             for kind in ("FAILED", "ERROR")}
     lines = [line for line in out.splitlines() if re.search(r"\d+ (passed|failed|error|skipped)", line)]
     counts: dict[str, int] = {}
     if lines:
         for number, kind in re.findall(r"(\d+) (passed|failed|errors?|skipped)", lines[-1]):
             counts[kind.rstrip("s") if kind.startswith("error") else kind] = int(number)
-    return list(dict.fromkeys(failed)), counts
+    return list(dict.fromkeys(found["FAILED"])), list(dict.fromkeys(found["ERROR"])), counts
 
 
-def classify(code: int | None, out: str) -> tuple[str, list[str], dict[str, int]]:
-    failed, counts = _summary(out)
+def classify(code: int | None, out: str) -> str:
+    """The outcome from pytest's exit code (None: timed out)."""
+    _, _, counts = _summary(out)
     if code is None:
-        return "timeout", failed, counts
+        return "timeout"
     if code == 0:
-        return ("skipped" if counts.get("passed", 0) == 0 and counts.get("skipped", 0) else "MISSED"), failed, counts
+        return "skipped" if counts.get("passed", 0) == 0 and counts.get("skipped", 0) else "MISSED"
     if code == 1:  # some test failed or errored (a rank that crashed shows as an error in its fixture)
-        return "caught", failed, counts
-    return "error", failed, counts  # 2 interrupted / collection error, 3 internal, 4 usage, 5 no tests
+        return "caught"
+    return "error"  # 2 interrupted / collection error, 3 internal, 4 usage, 5 no tests
 
 
 def run_one(mutation: Mutation | None, files: list[str], args) -> Result:
@@ -391,9 +398,10 @@ def run_one(mutation: Mutation | None, files: list[str], args) -> Result:
             return Result(name, "error", detail=f"the copy's ultratron is not the one imported: {where}")
         log = Path(args.logs) / f"{name}.log" if args.logs else None
         code, out = _pytest(args.python, copy, tests, args.timeout, args.first_failure, log)
-        status, failed, counts = classify(code, out)
+        failed, errored, counts = _summary(out)
         tail = "\n".join(out.strip().splitlines()[-15:])
-        return Result(name, status, failed, counts, round(time.perf_counter() - start, 1), tail)
+        return Result(name, classify(code, out), failed, errored, counts, round(time.perf_counter() - start, 1),
+                      tail)
     finally:
         shutil.rmtree(copy, ignore_errors=True)
 
@@ -501,19 +509,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline and todo:
             print(f"baseline: the guarding tests of {len(todo)} mutation(s), unmutated ...", flush=True)
             base = run_one(None, files, argparse.Namespace(**{**vars(args), "selected": todo}))
-            print(f"baseline: {base.status} in {base.seconds:.0f} s {base.counts}", flush=True)
-            if base.status != "MISSED":  # (MISSED here means: every test passed)
+            passed = base.status == "MISSED"  # (with no mutation planted: every test passed)
+            print(f"baseline: {'passed' if passed else base.status} in {base.seconds:.0f} s {base.counts}", flush=True)
+            if not passed:
                 print("the guarding tests do not pass without a mutation; fix that first:\n" + base.detail)
                 return 2
         print(f"{len(todo)} mutation(s) to run, {len(results)} already recorded", flush=True)
-        futures = {pool.submit(run_one, m, files, args): m for m in todo}
-        for future in as_completed(futures):
-            result = future.result()
-            results[result.id] = result
-            print(f"{result.id}: {result.outcome()} ({result.seconds:.0f} s)", flush=True)
-            if args.results:
-                with open(args.results, "a", encoding="utf-8") as fh:
-                    fh.write(json.dumps(asdict(result)) + "\n")
+        pending = {pool.submit(run_one, m, files, args) for m in todo}
+        while pending:  # (a timed wait, so that Ctrl-C and SIGTERM are handled at once)
+            done, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+            for future in done:
+                result = future.result()
+                results[result.id] = result
+                print(f"{result.id}: {result.outcome()} ({result.seconds:.0f} s)", flush=True)
+                if args.results:
+                    with open(args.results, "a", encoding="utf-8") as fh:
+                        fh.write(json.dumps(asdict(result)) + "\n")
     except KeyboardInterrupt:
         # the running tests first (their threads then return and remove their copies), then the queue
         for proc in list(_RUNNING.values()):
