@@ -1,0 +1,543 @@
+"""Mutation testing: plant one small, realistic bug at a time in a copy of the repository, run the
+tests that should guard it, and report which test caught it — or that none did (MISSED).
+
+  python benchmarks/mutations.py --list                       # the mutations and their guarding tests
+  python benchmarks/mutations.py --check                      # each edit still applies exactly once (no tests)
+  python benchmarks/mutations.py --single-process             # the mutations guarded by one-process tests
+  python benchmarks/mutations.py --only accum-loss-scale,clip-not-applied
+  python benchmarks/mutations.py --results runs/mutations.jsonl --resume     # a long run, resumable
+  python benchmarks/mutations.py --baseline                   # first: the guards pass without any mutation
+
+Each mutation is one exact edit — an old string that must occur exactly once in its file, and the
+string that replaces it — so that the list fails loudly (status `stale`) instead of silently
+testing nothing when the code changes under it. The edit is made in a temporary copy of the
+repository (git's tracked and untracked-but-not-ignored files), never in the files here: an
+interrupted run leaves nothing planted, at most a temporary directory `ultratron-mutant-*` (removed
+on a normal exit, Ctrl-C or SIGTERM). The tests run in the copy with `PYTHONPATH=<copy>/src`
+first, so spawned ranks and `python -m ultratron` subprocesses import the mutant too; each copy is
+checked to import its own `ultratron` before its tests run.
+
+Outcomes: `caught` (a guarding test failed or errored; the table names them, "(errored)" where the
+bug crashed a test or its fixture rather than failing an assertion), MISSED
+(every guarding test passed with the bug planted), `timeout` (the tests ran past --timeout; a
+hang the bug causes shows up here), `stale` (the edit no longer applies: update the list),
+`error` (pytest itself could not run, e.g. a collection error), `skipped` (the tests were
+skipped). Pytest runs without -x unless --first-failure, so a mutation caught by some of its
+tests and passed by others (a bf16 tolerance wider than the bug) says so: "2/3 failed".
+Times are wall-clock seconds of the mutation's test run (the guards of the distributed axes
+launch several multi-process trainings in their module fixtures, minutes each on a small CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = "src/ultratron"
+
+EQ = "tests/distributed/test_dist_equivalence.py"
+CPEP = "tests/distributed/test_dist_cp_ep.py"
+PIPE = "tests/distributed/test_dist_pipeline.py"
+CLIP_TEST = "tests/test_train_run.py::test_clipping_scales_the_update_and_logs_the_norm_before_it"
+COSINE_TEST = "tests/test_schedule.py::test_linear_warmup_then_cosine_to_the_floor"
+PP_1F1B = f"{PIPE}::test_pp2_with_each_schedule_equals_one_process[pp2-1f1b-fp32]"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    id: str
+    path: str  # relative to the repository root
+    description: str
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest node ids (or files) that should catch it
+    note: str = ""
+
+
+MUTATIONS = [
+    # ---- the step: gradient accumulation ----
+    Mutation("accum-loss-scale", f"{SRC}/training/step.py",
+             "micro-batch loss not divided by the micro-batch count before backward",
+             "(loss / n_micro_batches).backward()", "loss.backward()",
+             ("tests/test_grad_accum.py",)),
+    Mutation("accum-mean-loss", f"{SRC}/training/step.py",
+             "the step's loss returned as the sum over micro-batches, not their mean",
+             "return float(average_over_dp(loss_sum, self.dims) / n_micro_batches)",
+             "return float(average_over_dp(loss_sum, self.dims))",
+             ("tests/test_grad_accum.py",)),
+    Mutation("moe-aux-weight", f"{SRC}/training/step.py",
+             "MoE balancing-loss gradient not weighted by 1/micro-batches under accumulation",
+             "        return 1.0 / n_micro_batches", "        return 1.0",
+             ("tests/test_batch_ramp.py::test_a_mixture_of_experts_counts_each_steps_own_micro_batches",
+              "tests/test_moe.py"),
+             note="no test compares an accumulated MoE step's router gradient with the weight it should have"),
+    # ---- gradient norm and clipping ----
+    Mutation("norm-replicated-sum", f"{SRC}/parallel/grads.py",
+             "gradient norm: a bucket's square sum also summed over replicated mesh dimensions",
+             "sharded = tuple(i for i, p in enumerate(grad.placements) if not isinstance(p, (Replicate, Partial)))",
+             "sharded = tuple(range(len(grad.placements)))",
+             (f"{EQ}::test_two_rank_layouts_equal_one_process[tp2-sp-fp32]",)),
+    Mutation("norm-sqrt-dropped", f"{SRC}/parallel/grads.py",
+             "gradient norm returned squared (sqrt dropped)",
+             "    return total.sqrt()", "    return total",
+             (CLIP_TEST,)),
+    Mutation("norm-pp-not-summed", f"{SRC}/parallel/grads.py",
+             "gradient norm not summed over the pipeline stages (each rank counts its own stage)",
+             "    if pp_group is not None:\n        dist.all_reduce(total, group=pp_group)\n", "",
+             (PP_1F1B,)),
+    Mutation("clip-coef-wrong", f"{SRC}/parallel/grads.py",
+             "clipping coefficient computed from the squared norm",
+             "coef = min(1.0, max_norm / (float(norm) + 1e-6))",
+             "coef = min(1.0, max_norm / (float(norm) ** 2 + 1e-6))",
+             (CLIP_TEST,)),
+    Mutation("clip-not-applied", f"{SRC}/parallel/grads.py",
+             "clipping never applied (comparison inverted)",
+             "        if coef < 1.0:", "        if coef > 1.0:",
+             (CLIP_TEST,)),
+    # ---- learning-rate schedule and optimizer ----
+    Mutation("lr-warmup-off-by-one", f"{SRC}/training/optim.py",
+             "warmup off by one: the first step runs at lr 0",
+             "return peak * (step + 1) / warmup", "return peak * step / warmup",
+             (COSINE_TEST,)),
+    Mutation("lr-cosine-floor", f"{SRC}/training/optim.py",
+             "cosine decays to 0 instead of lr·min_lr_ratio",
+             "return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))",
+             "return peak * 0.5 * (1.0 + math.cos(math.pi * progress))",
+             (COSINE_TEST,)),
+    Mutation("lr-cosine-last-step", f"{SRC}/training/optim.py",
+             "cosine span off by one: the last step stops short of the floor",
+             "span = max(1, total_steps - warmup - 1)", "span = max(1, total_steps - warmup)",
+             (COSINE_TEST,)),
+    Mutation("optim-decay-on-norms", f"{SRC}/training/optim.py",
+             "weight decay applied to norm gains (1-D parameters) too",
+             "(decay if param.dim() >= 2 else no_decay).append(param)",
+             "(decay if param.dim() >= 1 else no_decay).append(param)",
+             ("tests/test_train_run.py::test_run_directory_contents_and_metrics",),
+             note="no test looks at the optimizer's parameter groups"),
+    # ---- data ----
+    Mutation("data-ranks-same-block", f"{SRC}/data/loader.py",
+             "every dp rank reads the same block of each micro-batch step",
+             "begin = self.position + self.dp_rank * self.micro_batch_size", "begin = self.position",
+             ("tests/test_loader.py::test_two_ranks_are_disjoint_and_together_equal_one_rank",)),
+    Mutation("data-mixture-ranks-same-block", f"{SRC}/data/mixture.py",
+             "a mixture: every dp rank keeps rank 0's sequences",
+             "if rank == self.dp_rank:", "if rank == 0:",
+             ("tests/data/test_mixture.py::test_ranks_split_the_one_rank_stream",)),
+    # ---- checkpoints ----
+    Mutation("ckpt-hash-first-chunk", f"{SRC}/checkpoint/verify.py",
+             "checkpoint verification hashes only the first 8 MiB chunk of each file",
+             "while chunk := fh.read(CHUNK):", "if chunk := fh.read(CHUNK):",
+             ("tests/test_resilience.py::test_flipped_bytes_are_found_and_resume_falls_back_to_the_last_good_checkpoint",
+              "tests/test_checkpoint.py::test_damaged_or_missing_checkpoint_gives_a_clear_error"),
+             note="the test checkpoints are smaller than one chunk"),
+    # ---- data parallel ----
+    Mutation("dp-sync-wrong-micro-batch", f"{SRC}/parallel/parallelize.py",
+             "DDP/FSDP gradient sync on every micro-batch but the last (no_sync inverted)",
+             "with gradient_sync(model, last), loss_context(dims), sharded(model):",
+             "with gradient_sync(model, not last), loss_context(dims), sharded(model):",
+             (f"{EQ}::test_two_rank_layouts_equal_one_process[dp2-zero0-fp32]",)),
+    Mutation("dp-hsdp-replicas-not-averaged", f"{SRC}/parallel/dims.py",
+             "HSDP: data parallelism over the shard group only (replica groups never average)",
+             'return self.submesh("dp_replicate", "dp_shard")', 'return self.submesh("dp_shard")',
+             (f"{EQ}::test_four_rank_layouts_equal_one_process[hsdp2x2-fp32]",)),
+    # ---- tensor parallel ----
+    Mutation("tp-loss-parallel-off", f"{SRC}/parallel/tensor_parallel.py",
+             "tensor parallel: the loss not computed under loss_parallel",
+             "return loss_parallel() if dims.tp > 1 else contextlib.nullcontext()",
+             "return contextlib.nullcontext()",
+             (f"{EQ}::test_two_rank_layouts_equal_one_process[tp2-fp32]",)),
+    # ---- pipeline ----
+    Mutation("pp-loss-wrong-micro-batches", f"{SRC}/training/step.py",
+             "pipeline loss averaged over the first n losses (the first step's shape-inference one included)",
+             "torch.stack(self._losses[-n_micro_batches:])", "torch.stack(self._losses[:n_micro_batches])",
+             (PP_1F1B, f"{PIPE}::test_pp2_with_each_schedule_equals_one_process[pp2-1f1b-bf16]")),
+    Mutation("pp-grads-not-scaled", f"{SRC}/parallel/pipeline.py",
+             "pipeline gradients not divided by the micro-batch count",
+             "loss_fn=loss_fn, scale_grads=True)", "loss_fn=loss_fn, scale_grads=False)",
+             (PP_1F1B,)),
+    Mutation("pp-tied-grads-not-summed", f"{SRC}/parallel/pipeline.py",
+             "pipeline: the tied embedding's two copies do not add their gradients",
+             "            dist.all_reduce(grads[0], group=self.group)", "            pass",
+             (PP_1F1B,)),
+    # ---- context parallel ----
+    Mutation("cp-loss-average", f"{SRC}/parallel/data_parallel.py",
+             "loss averaged over dp instead of dp × cp",
+             "return sum_over_dp(value, dims) / dims.data_parallel", "return sum_over_dp(value, dims) / dims.dp",
+             (f"{CPEP}::test_two_rank_cp_and_ep_equal_one_process[cp2]",)),
+    Mutation("cp-shard-positions", f"{SRC}/parallel/context_parallel.py",
+             "context parallel: RoPE positions of a rank's second chunk not zig-zagged",
+             "second = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)",
+             "second = torch.arange((cp + rank) * c, (cp + rank + 1) * c, device=device)",
+             (f"{CPEP}::test_two_rank_cp_and_ep_equal_one_process[cp2]",)),
+    Mutation("cp-val-loss-average", f"{SRC}/training/step.py",
+             "context parallel: the validation loss summed over cp ranks, not averaged",
+             "            loss /= self.dims.cp\n", "",
+             (f"{CPEP}::test_two_rank_cp_and_ep_equal_one_process[cp2]",),
+             note="the cp equivalence runs do not validate (eval.interval 0)"),
+    # ---- expert parallel ----
+    Mutation("ep-grads-wrong-group", f"{SRC}/parallel/expert_parallel.py",
+             "expert gradients summed over the ep group (other experts) instead of their replicas",
+             "groups = [dims.mesh[name].get_group() for name in dims.expert_replica_dims]",
+             "groups = [dims.ep_mesh.get_group()]",
+             (f"{CPEP}::test_two_rank_cp_and_ep_equal_one_process[ep2]",)),
+    Mutation("ep-grads-divided-by-ep", f"{SRC}/parallel/expert_parallel.py",
+             "expert gradients divided by ep instead of dp × cp",
+             "grad.div_(dims.data_parallel)", "grad.div_(dims.ep)",
+             (f"{CPEP}::test_four_rank_cp_and_ep_layouts_equal_one_process[ep2xdp2]",)),
+    Mutation("ep-grads-divided-without-cp", f"{SRC}/parallel/expert_parallel.py",
+             "expert gradients divided by dp, forgetting cp",
+             "grad.div_(dims.data_parallel)", "grad.div_(dims.dp)",
+             (f"{CPEP}::test_dp2_cp2_tp2_on_eight_ranks_equals_one_process[dp2xcp2xtp2-ep2]",)),
+]
+BY_ID = {m.id: m for m in MUTATIONS}
+assert len(BY_ID) == len(MUTATIONS), "mutation ids must be unique"
+
+
+@dataclass
+class Result:
+    id: str
+    status: str  # caught | MISSED | timeout | stale | error | skipped
+    failed: list[str] = field(default_factory=list)  # node ids that failed an assertion
+    errored: list[str] = field(default_factory=list)  # node ids that errored (e.g. a rank crashed in a fixture)
+    counts: dict[str, int] = field(default_factory=dict)  # pytest's summary: passed, failed, error, skipped
+    seconds: float = 0.0
+    detail: str = ""  # why, for stale / error / timeout; the output's tail otherwise
+
+    def outcome(self) -> str:
+        if self.status != "caught":
+            return self.status
+        ran = sum(self.counts.get(k, 0) for k in ("passed", "failed", "error"))
+        bad = self.counts.get("failed", 0) + self.counts.get("error", 0)
+        which = [_names(self.failed)] if self.failed else []
+        which += [f"{_names(self.errored)} (errored)"] if self.errored else []
+        return f"caught by {'; '.join(which) or '?'}" + (f" ({bad}/{ran} failed)" if ran > 1 else "")
+
+
+def _short(node: str) -> str:
+    return node.split("::", 1)[-1] if "::" in node else Path(node).name
+
+
+def _names(nodes: list[str]) -> str:
+    """Test names, the parameters of one test function together: test_x[a,b], test_y."""
+    params: dict[str, list[str]] = {}
+    for node in nodes:
+        name, _, param = _short(node).partition("[")
+        params.setdefault(name, []).append(param.rstrip("]"))
+    return ", ".join(name + (f"[{','.join(p for p in ps if p)}]" if any(ps) else "") for name, ps in params.items())
+
+
+def is_distributed(m: Mutation) -> bool:
+    return any(t.startswith("tests/distributed/") for t in m.tests)
+
+
+# ---- the temporary copy ---------------------------------------------------------------------------
+
+def _repository_files(root: Path) -> list[str]:
+    """Tracked files and untracked ones git does not ignore (so uncommitted work is tested too)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                             capture_output=True, check=True).stdout
+        return [name for name in out.decode().split("\0") if name]
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: the directories that matter
+        names = []
+        for top in ("src", "tests", "benchmarks", "configs", "docs"):
+            names += [str(p.relative_to(root)) for p in (root / top).rglob("*")
+                      if p.is_file() and "__pycache__" not in p.parts]
+        return names + [n for n in ("pyproject.toml", "README.md", "Makefile") if (root / n).is_file()]
+
+
+def make_copy(root: Path, files: list[str]) -> Path:
+    dest = Path(tempfile.mkdtemp(prefix="ultratron-mutant-"))
+    for name in files:
+        source = root / name
+        if source.is_file():  # (a tracked file deleted in the work tree is skipped)
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    return dest
+
+
+class Stale(Exception):
+    pass
+
+
+def apply(mutation: Mutation, root: Path) -> None:
+    """Make the mutation's edit in the tree at `root`; Stale if its old string is not there exactly once."""
+    path = root / mutation.path
+    if not path.is_file():
+        raise Stale(f"{mutation.path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    count = text.count(mutation.old)
+    if count != 1:
+        raise Stale(f"{mutation.path}: the old string occurs {count} times, not once: {mutation.old!r}")
+    path.write_text(text.replace(mutation.old, mutation.new), encoding="utf-8")
+
+
+def check(root: Path = ROOT) -> list[str]:
+    """Problems with the list against the tree at `root`: edits that do not apply exactly once, edits
+    that change nothing, guarding tests whose file or test function does not exist."""
+    problems = []
+    for m in MUTATIONS:
+        path = root / m.path
+        count = path.read_text(encoding="utf-8").count(m.old) if path.is_file() else -1
+        if count != 1:
+            problems.append(f"{m.id}: {m.path}: old string found {count} times (want 1)")
+        if m.old == m.new:
+            problems.append(f"{m.id}: the edit changes nothing")
+        for test in m.tests:
+            file, _, rest = test.partition("::")
+            if not (root / file).is_file():
+                problems.append(f"{m.id}: {file} does not exist")
+            elif rest and f"def {rest.split('[')[0]}(" not in (root / file).read_text(encoding="utf-8"):
+                problems.append(f"{m.id}: {file} has no test {rest.split('[')[0]}")
+    return problems
+
+
+def _environment(copy: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    # the copy's src first: it wins over the editable install and any PYTHONPATH given to this script
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(copy / "src"), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def _imports_the_copy(python: str, copy: Path, env: dict[str, str]) -> str | None:
+    """None if `python` imports ultratron from the copy; else where it imports it from."""
+    out = subprocess.run([python, "-c", "import ultratron; print(ultratron.__file__)"], cwd=copy, env=env,
+                         capture_output=True, text=True, timeout=120)
+    where = out.stdout.strip()
+    return None if out.returncode == 0 and Path(where).resolve().is_relative_to(copy.resolve()) else (
+        where or out.stderr.strip()[-500:])
+
+
+# ---- one run -------------------------------------------------------------------------------------
+
+_RUNNING: dict[int, subprocess.Popen] = {}  # the pytest processes this script started, by pid
+
+
+def _pytest(python: str, copy: Path, tests: list[str], timeout: float, first_failure: bool,
+            log: Path | None) -> tuple[int | None, str]:
+    """Run pytest on `tests` in the copy; (exit code or None on timeout, output)."""
+    cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", f"--basetemp={copy / '.pytest-tmp'}",
+           *(["-x"] if first_failure else []), *tests]
+    # a session of its own, so that a timeout or Ctrl-C ends the spawned ranks with pytest
+    proc = subprocess.Popen(cmd, cwd=copy, env=_environment(copy), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    _RUNNING[proc.pid] = proc
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        out, _ = proc.communicate()
+        code = None
+    finally:
+        _RUNNING.pop(proc.pid, None)
+    if log is not None:
+        log.write_text(out, encoding="utf-8")
+    return code, out
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group this script started for that pytest
+    except ProcessLookupError:
+        pass
+
+
+def _summary(out: str) -> tuple[list[str], list[str], dict[str, int]]:
+    """(failed node ids, errored node ids, pytest's counts) from the -rfE summary."""
+    found = {kind: [m.group(1) for m in re.finditer(rf"^{kind} (\S+)", out, re.MULTILINE)]
+             for kind in ("FAILED", "ERROR")}
+    lines = [line for line in out.splitlines() if re.search(r"\d+ (passed|failed|error|skipped)", line)]
+    counts: dict[str, int] = {}
+    if lines:
+        for number, kind in re.findall(r"(\d+) (passed|failed|errors?|skipped)", lines[-1]):
+            counts[kind.rstrip("s") if kind.startswith("error") else kind] = int(number)
+    return list(dict.fromkeys(found["FAILED"])), list(dict.fromkeys(found["ERROR"])), counts
+
+
+def classify(code: int | None, out: str) -> str:
+    """The outcome from pytest's exit code (None: timed out)."""
+    _, _, counts = _summary(out)
+    if code is None:
+        return "timeout"
+    if code == 0:
+        return "skipped" if counts.get("passed", 0) == 0 and counts.get("skipped", 0) else "MISSED"
+    if code == 1:  # some test failed or errored (a rank that crashed shows as an error in its fixture)
+        return "caught"
+    return "error"  # 2 interrupted / collection error, 3 internal, 4 usage, 5 no tests
+
+
+def run_one(mutation: Mutation | None, files: list[str], args) -> Result:
+    """Copy the repository, plant `mutation` (None: the baseline), run its tests, remove the copy."""
+    tests = list(mutation.tests) if mutation else sorted({t for m in args.selected for t in m.tests})
+    name = mutation.id if mutation else "baseline"
+    copy = make_copy(ROOT, files)
+    start = time.perf_counter()
+    try:
+        if mutation is not None:
+            try:
+                apply(mutation, copy)
+            except Stale as err:
+                return Result(name, "stale", detail=str(err))
+        env = _environment(copy)
+        if (where := _imports_the_copy(args.python, copy, env)) is not None:
+            return Result(name, "error", detail=f"the copy's ultratron is not the one imported: {where}")
+        log = Path(args.logs) / f"{name}.log" if args.logs else None
+        code, out = _pytest(args.python, copy, tests, args.timeout, args.first_failure, log)
+        failed, errored, counts = _summary(out)
+        tail = "\n".join(out.strip().splitlines()[-15:])
+        return Result(name, classify(code, out), failed, errored, counts, round(time.perf_counter() - start, 1),
+                      tail)
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+# ---- the table -----------------------------------------------------------------------------------
+
+def print_list(mutations: list[Mutation]) -> None:
+    for m in mutations:
+        print(f"{m.id}  [{m.path.removeprefix(SRC + '/')}]{'  (distributed)' if is_distributed(m) else ''}")
+        print(f"    {m.description}")
+        print(f"    - {m.old.strip()!r}\n    + {m.new.strip()!r}")
+        for t in m.tests:
+            print(f"    test: {t}")
+        if m.note:
+            print(f"    note: {m.note}")
+
+
+def print_table(results: list[Result]) -> None:
+    rows = [("id", "file", "description", "tests", "result", "s")]
+    for r in results:
+        m = BY_ID.get(r.id)
+        tests = _names(list(m.tests)) if m else "(all guards)"
+        rows.append((r.id, m.path.removeprefix(SRC + "/") if m else "", m.description if m else "", tests,
+                     r.outcome(), f"{r.seconds:.0f}"))
+    widths = [min(max(len(row[i]) for row in rows), cap) for i, cap in enumerate((32, 28, 50, 50, 100, 6))]
+
+    def cut(text: str, width: int) -> str:
+        return text if len(text) <= width else text[:width - 1] + "…"
+
+    for i, row in enumerate(rows):
+        print("  ".join(cut(cell, w).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    caught = sum(r.status == "caught" for r in results)
+    missed = sum(r.status == "MISSED" for r in results)
+    others = {s: sum(r.status == s for r in results) for s in ("timeout", "stale", "error", "skipped")}
+    extra = "".join(f", {n} {s}" for s, n in others.items() if n)
+    print(f"\n{caught} caught, {missed} missed{extra}")
+
+
+def _read_results(path: Path) -> dict[str, Result]:
+    done = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                record = json.loads(line)
+                done[record["id"]] = Result(**record)
+    return done
+
+
+def _terminate(signum, frame):  # SIGTERM: unwind like Ctrl-C, so the copies are removed
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--list", action="store_true", help="print the mutations, their edits and tests; run nothing")
+    parser.add_argument("--check", action="store_true",
+                        help="check that every edit applies exactly once and every test exists; run nothing")
+    parser.add_argument("--only", default="", help="comma-separated mutation ids to run (default: all)")
+    parser.add_argument("--single-process", action="store_true",
+                        help="only the mutations whose guarding tests run in one process (not tests/distributed)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per mutation's test run (default 3600)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="mutations run at once, each in its own copy (default 1; the distributed tests "
+                             "already use several processes)")
+    parser.add_argument("--first-failure", action="store_true", help="stop a mutation's tests at the first failure")
+    parser.add_argument("--baseline", action="store_true",
+                        help="first run the selected mutations' tests with no mutation; stop if any fails")
+    parser.add_argument("--results", default="", help="append each result to this JSON-lines file")
+    parser.add_argument("--resume", action="store_true", help="skip the mutations already recorded in --results")
+    parser.add_argument("--logs", default="", help="write each run's full pytest output to DIR/ID.log")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter that runs pytest")
+    args = parser.parse_args(argv)
+
+    if args.only:
+        unknown = [i for i in args.only.split(",") if i not in BY_ID]
+        if unknown:
+            parser.error(f"unknown mutation id(s): {', '.join(unknown)}; see --list")
+        selected = [BY_ID[i] for i in args.only.split(",")]
+    else:
+        selected = list(MUTATIONS)
+    if args.single_process:
+        selected = [m for m in selected if not is_distributed(m)]
+    if args.list:
+        print_list(selected)
+        return 0
+    if args.check:
+        problems = check()
+        print("\n".join(problems) if problems else f"all {len(MUTATIONS)} mutations apply exactly once")
+        return 1 if problems else 0
+    if args.resume and not args.results:
+        parser.error("--resume needs --results FILE")
+    args.selected = selected
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
+    previous = _read_results(Path(args.results)) if args.results and args.resume else {}
+    todo = [m for m in selected if m.id not in previous]
+
+    signal.signal(signal.SIGTERM, _terminate)
+    files = _repository_files(ROOT)
+    results: dict[str, Result] = {m.id: previous[m.id] for m in selected if m.id in previous}
+    pool = ThreadPoolExecutor(max_workers=max(1, args.jobs))
+    try:
+        if args.baseline and todo:
+            print(f"baseline: the guarding tests of {len(todo)} mutation(s), unmutated ...", flush=True)
+            base = run_one(None, files, argparse.Namespace(**{**vars(args), "selected": todo}))
+            passed = base.status == "MISSED"  # (with no mutation planted: every test passed)
+            print(f"baseline: {'passed' if passed else base.status} in {base.seconds:.0f} s {base.counts}", flush=True)
+            if not passed:
+                print("the guarding tests do not pass without a mutation; fix that first:\n" + base.detail)
+                return 2
+        print(f"{len(todo)} mutation(s) to run, {len(results)} already recorded", flush=True)
+        pending = {pool.submit(run_one, m, files, args) for m in todo}
+        while pending:  # (a timed wait, so that Ctrl-C and SIGTERM are handled at once)
+            done, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+            for future in done:
+                result = future.result()
+                results[result.id] = result
+                print(f"{result.id}: {result.outcome()} ({result.seconds:.0f} s)", flush=True)
+                if args.results:
+                    with open(args.results, "a", encoding="utf-8") as fh:
+                        fh.write(json.dumps(asdict(result)) + "\n")
+    except KeyboardInterrupt:
+        # the running tests first (their threads then return and remove their copies), then the queue
+        for proc in list(_RUNNING.values()):
+            _kill(proc)
+        pool.shutdown(wait=True, cancel_futures=True)
+        print("\ninterrupted; the copies are removed, nothing was planted in this tree", file=sys.stderr)
+        if not results:
+            return 130
+    pool.shutdown(wait=True)
+    print()
+    print_table([results[m.id] for m in selected if m.id in results])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
