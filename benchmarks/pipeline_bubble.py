@@ -58,7 +58,7 @@ def measure(overrides: list[str], steps: int, out: str) -> None:
     trainer = Trainer(load_config(None, overrides), echo=False)
     m = trainer.cfg.grad_accum_steps
     trainer.train_step()  # builds the schedule and infers the shapes
-    schedule = trainer.strategy.schedule
+    schedule = trainer.strategy.runner.schedule
     busy = [0.0]
     for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
         _timed(stage, busy)

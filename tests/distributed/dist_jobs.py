@@ -25,7 +25,6 @@ def measure_zero_stages(base: list[str], out_dir: str) -> None:
 
     from ultratron.config import load_config
     from ultratron.parallel.memory import measured_bytes
-    from ultratron.parallel.parallelize import micro_batch
     from ultratron.training.loss import cross_entropy
     from ultratron.training.trainer import Trainer
 
@@ -34,7 +33,7 @@ def measure_zero_stages(base: list[str], out_dir: str) -> None:
         trainer = Trainer(load_config(None, base + ["--parallel.dp", "2", "--parallel.zero", str(zero),
                                                     "--run.dir", f"{out_dir}/zero{zero}"]), echo=False)
         inputs, targets = trainer.train_loader.next_batch()
-        with micro_batch(trainer.model, trainer.dims, last=True):
+        with trainer.axes.step_context(training=True), trainer.axes.micro_batch_context(last=True):
             cross_entropy(trainer.model(inputs), targets)[0].backward()
         after_backward = measured_bytes(trainer.model, trainer.optimizer)
         trainer.optimizer.step()
@@ -92,7 +91,7 @@ def ring_attention_errors(out_dir: str) -> None:
     import torch.distributed as dist
 
     from ultratron.models.llama.model import sdpa_attention
-    from ultratron.parallel.context_parallel import ContextParallelAttention, shard_sequence, unshard_sequence
+    from ultratron.parallel.context import ContextParallelAttention, shard_sequence, unshard_sequence
 
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # (every rank creates every group)
@@ -108,7 +107,7 @@ def ring_attention_errors(out_dir: str) -> None:
                 out = sdpa_attention(*full, None, heads // kv_heads)
                 (out * weight).sum().backward()
                 local = [shard_sequence(t, cp, cp_rank, dim=2).requires_grad_() for t in (q, k, v)]
-                attention = ContextParallelAttention(group, cp_rank, cp, mode)
+                attention = ContextParallelAttention(group, cp_rank, cp, mode, local=sdpa_attention)
                 attention.active = True
                 mine = attention(*local, None, heads // kv_heads)
                 (mine * shard_sequence(weight, cp, cp_rank, dim=2)).sum().backward()
@@ -135,7 +134,6 @@ def measure_step_memory(base: list[str], layouts: list[list[str]], out_dir: str)
 
     from ultratron.config import load_config
     from ultratron.parallel.memory import LiveTensors
-    from ultratron.parallel.parallelize import micro_batch
     from ultratron.training.loss import cross_entropy
     from ultratron.training.precision import autocast
     from ultratron.training.trainer import Trainer
@@ -143,10 +141,10 @@ def measure_step_memory(base: list[str], layouts: list[list[str]], out_dir: str)
     results = []
     for i, flags in enumerate(layouts):
         trainer = Trainer(load_config(None, base + flags + ["--run.dir", f"{out_dir}/layout{i}"]), echo=False)
-        model, dims, device, precision = trainer.model, trainer.dims, trainer.device, trainer.cfg.training.precision
+        model, axes, device, precision = trainer.model, trainer.axes, trainer.device, trainer.cfg.training.precision
         inputs, targets = trainer.train_loader.next_batch()
         for _ in range(2):  # the first micro-batch allocates the gradients; the second is measured
-            with micro_batch(model, dims, last=False):
+            with axes.step_context(training=True), axes.micro_batch_context(last=False):
                 with LiveTensors(model) as meter:
                     with autocast(precision, device):
                         logits = model(inputs)

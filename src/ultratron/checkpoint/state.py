@@ -80,7 +80,7 @@ def _to_own_names(state: dict, copies: dict[str, str], own: set[str]) -> dict:
 def _gradients_set_aside(model: nn.Module, optimizer):
     """torch's get_state_dict creates a fresh optimizer's state (a zero-gradient step at lr 0) only
     when no parameter has a gradient; DDP's gradients exist from the start (views of its buckets,
-    parallel/data_parallel.py). Without a state there is nothing to load into, so the state of a
+    parallel/data.py). Without a state there is nothing to load into, so the state of a
     resumed run would silently start from zero: set the gradients aside for that and put them back."""
     if optimizer.state:
         yield

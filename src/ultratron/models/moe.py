@@ -37,7 +37,7 @@ the data's) and clears them.
 
 The experts run through `MoE.dispatch(tokens, choice, weights, keep, experts)`: `local_dispatch`
 here (sort the token slots by expert, one matmul chain per expert, weighted sum back). Expert
-parallelism (`ultratron.parallel.expert_parallel`) swaps in one that sends the slots to the rank
+parallelism (`ultratron.parallel.expert`) swaps in one that sends the slots to the rank
 holding their expert with all-to-all and back; the model never knows.
 """
 

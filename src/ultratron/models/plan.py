@@ -27,6 +27,8 @@ class ParallelPlan:
     # (model, attention function) → every block's attention calls it: (q, k, v, mask, kv groups) → output,
     # each (batch, heads, seq, head_dim) — context parallelism installs its own
     set_attention: Callable[[nn.Module, Callable], None]
+    # the family's own attention function, of that signature (what context parallelism falls back to)
+    attention: Callable
     # the mixture-of-experts layers (`models.moe.MoE`: router, 3-D expert weights, a swappable dispatch)
     moe_layers: Callable[[nn.Module], list[nn.Module]]
 

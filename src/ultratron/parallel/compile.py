@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from ultratron.models.plan import ParallelPlan
-from ultratron.parallel.dims import ParallelDims
 
 
 def apply_compile(model: nn.Module, enabled: bool, plan: ParallelPlan) -> nn.Module:
@@ -34,7 +33,7 @@ def apply_compile(model: nn.Module, enabled: bool, plan: ParallelPlan) -> nn.Mod
     return model
 
 
-def compiled_loss(loss_fn, enabled: bool, dims: ParallelDims):
+def compiled_loss(loss_fn, enabled: bool, sharded_logits: bool):
     """`loss_fn` compiled for training steps when `training.compile` is on and the logits are whole
-    (tp = 1); otherwise `loss_fn` itself."""
-    return torch.compile(loss_fn) if enabled and dims.tp == 1 else loss_fn
+    (not vocab-sharded by tensor parallel); otherwise `loss_fn` itself."""
+    return torch.compile(loss_fn) if enabled and not sharded_logits else loss_fn

@@ -87,7 +87,7 @@ class ParallelDims:
     @property
     def uses_fsdp(self) -> bool:
         """FSDP2 for ZeRO 2/3 and HSDP; also when dp meets tp, since DDP takes no DTensor parameters,
-        and for ZeRO-1 under pp or ep (see parallel/data_parallel.py; zero 0 under pp is FSDP2's
+        and for ZeRO-1 under pp or ep (see parallel/data.py; zero 0 under pp is FSDP2's
         replicate; ZeroRedundancyOptimizer would broadcast each rank's own experts to the others).
         Over dp × cp ranks (`data_parallel`)."""
         return data_parallel_wrapper(self.data_parallel, self.zero, self.tp, self.pp, self.dp_replicate,
@@ -199,13 +199,20 @@ class ParallelDims:
 
     @property
     def dp_mesh(self):
-        """The mesh data parallelism runs over: both HSDP dimensions, outer first; under context
-        parallel the flattened dp × cp."""
-        if self.cp > 1:
-            return self.flat["dp_shard_cp"]
-        if self.ep > 1:
-            return self.submesh("dp_shard")
-        return self.submesh("dp_replicate", "dp_shard")
+        """The mesh data parallelism reduces gradients over: the replicate dimension (HSDP) outer, then
+        the ranks that shard — the data-parallel ones, flattened with the context-parallel ones under
+        cp (they see other tokens of the same sequences), or the edp × ep ones under ep."""
+        shard = "dp_shard_cp" if self.cp > 1 else ("dp_shard" if self.ep > 1 else None)
+        if shard is None:
+            return self.submesh("dp_replicate", "dp_shard")
+        if self.dp_replicate == 1:
+            return self.flat[shard]
+        return self.mesh["dp_replicate", shard]
+
+    @property
+    def dp_dims(self) -> list[str]:
+        """The mesh dimensions of the data-parallel ranks alone (not cp's), each summed over in turn."""
+        return [n for n in ("dp_replicate", "dp_shard", "edp", "ep") if n in (self.mesh.mesh_dim_names or ())]
 
     @property
     def cp_mesh(self):

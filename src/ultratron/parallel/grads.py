@@ -5,9 +5,9 @@ are DTensors on one mesh and others plain tensors or DTensors on another mesh (t
 without sequence parallel leaves the norm weights as plain tensors). Here each gradient adds its
 local sum of squares to a bucket named by the mesh dimensions it is sharded over; each bucket is
 summed over exactly those dimensions (replicated dimensions hold copies and must not be summed),
-and the buckets are added. Pipeline stages hold disjoint parameters, so the total is then summed
-over the pipeline's ranks as well (`pp_group`); the head's copy of a tied embedding table is left
-out of the norm (`tied_copies`, and clipped all the same), since the first stage counts the table.
+and the buckets are added. Ranks that hold disjoint parameters (pipeline stages) add their totals
+over the process groups an axis names (`groups`); the head's copy of a tied embedding table is left
+out of the norm (`uncounted`, and clipped all the same), since the first stage counts the table.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
@@ -33,16 +32,9 @@ def _local_square_sum(grad: torch.Tensor) -> tuple[tuple, torch.Tensor]:
     return (id(grad.device_mesh), sharded, grad.device_mesh), grad.to_local().detach().float().pow(2).sum()
 
 
-def tied_copies(model: nn.Module) -> list[torch.Tensor]:
-    """The copies this rank holds of a parameter the pipeline also holds elsewhere (the keys of a
-    pipeline part's `tied_copies`): left out of the global norm, which counts the original."""
-    copies = set(getattr(model, "tied_copies", {}))
-    return [p for name, p in model.named_parameters() if name in copies]
-
-
-def global_grad_norm(parameters: Iterable[torch.Tensor], pp_group=None) -> torch.Tensor:
+def global_grad_norm(parameters: Iterable[torch.Tensor], groups=()) -> torch.Tensor:
     """The L2 norm of all gradients together, the same value on every rank (fp32, a plain tensor);
-    `pp_group`: also sum over the pipeline stages' ranks."""
+    `groups`: also summed over these process groups' ranks (which hold other parameters)."""
     buckets: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float32))
     meshes: dict[tuple, object] = {}
     seen: set[int] = set()
@@ -65,19 +57,19 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], pp_group=None) -> torch
         total = value if total is None else total + value.to(total.device)
     if total is None:
         total = torch.zeros((), dtype=torch.float32)
-    if pp_group is not None:
-        dist.all_reduce(total, group=pp_group)
+    for group in groups:
+        dist.all_reduce(total, group=group)
     return total.sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, pp_group=None,
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, groups=(),
                    uncounted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """Scale all gradients so their global norm is at most `max_norm`; returns the norm before.
-    `uncounted`: parameters whose gradients are scaled but not counted (`tied_copies`)."""
+    `uncounted`: parameters whose gradients are scaled but not counted (a copy counted elsewhere)."""
     parameters = [p for p in parameters if p.grad is not None]
     skip = {id(p) for p in uncounted}
-    norm = global_grad_norm([p for p in parameters if id(p) not in skip], pp_group)
+    norm = global_grad_norm([p for p in parameters if id(p) not in skip], groups)
     if math.isfinite(max_norm):
         coef = min(1.0, max_norm / (float(norm) + 1e-6))
         if coef < 1.0:

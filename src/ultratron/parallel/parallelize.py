@@ -1,8 +1,11 @@
 """Apply parallelism to a plain model from outside, in one fixed order:
 PP → TP/SP → EP → CP → activation recomputation → compile → FSDP/DDP. Each axis lives in its own
-module and cuts the model where its family's plan (`models/*/parallel_plan.py`) says; this file
-only orders them and gives a training step the few hooks it needs per micro-batch and per step.
-Before TP, on a CPU, the fp32 linear layers take oneDNN's matmul (`parallel/cpu_linear.py`).
+module (`data`, `tensor`, `pipeline`, `context`, `expert`), cuts the model where its family's plan
+(`models/*/parallel_plan.py`) says and returns its part of the step as an `Axis`
+(`parallel/axis.py`); this file only orders them and passes between them what one needs of
+another (the pipeline's stage modules and the split experts, which data parallelism treats apart),
+so that no axis imports another. Before TP, on a CPU, the fp32 linear layers may take oneDNN's
+matmul (`training.cpu_linear`, `parallel/cpu_linear.py`).
 
 Under pipeline parallelism the pipeline cut comes first: this rank keeps its stages' part of the
 model, the other axes apply to that part, and FSDP takes each stage as a root. Expert parallelism
@@ -10,46 +13,64 @@ splits the routed experts (over ep and tp), which data parallelism then leaves a
 
 from __future__ import annotations
 
-import contextlib
+from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ultratron.models.registry import plan_of
-from ultratron.parallel.compile import apply_compile
-from ultratron.parallel.context_parallel import apply_context_parallel, sharded
+from ultratron.parallel.axis import Axes
+from ultratron.parallel.compile import apply_compile, compiled_loss
+from ultratron.parallel.context import apply_context_parallel
 from ultratron.parallel.cpu_linear import apply_cpu_linear
-from ultratron.parallel.data_parallel import apply_data_parallel, gradient_sync
+from ultratron.parallel.data import apply_data_parallel
 from ultratron.parallel.dims import ParallelDims
-from ultratron.parallel.expert_parallel import apply_expert_parallel, expert_params, reduce_expert_grads
-from ultratron.parallel.pipeline import build_stages, split_model
+from ultratron.parallel.expert import apply_expert_parallel
+from ultratron.parallel.pipeline import split_model
 from ultratron.parallel.recompute import apply_recompute
-from ultratron.parallel.tensor_parallel import apply_tensor_parallel, loss_context
+from ultratron.parallel.tensor import apply_tensor_parallel
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
+def topology(parallel_cfg) -> ParallelDims:
+    """The launch (torchrun's environment) checked against the layout; `init_distributed` then joins
+    the process group and builds the mesh."""
+    return ParallelDims.from_config(parallel_cfg)
+
+
+@dataclass
+class Parallel:
+    """A model spread over the ranks: what the optimizer, the checkpoint and the norm see (`model`),
+    and each active axis' part of the step (`axes`)."""
+
+    model: nn.Module
+    axes: Axes
+    dims: ParallelDims
+
+    def compiled_loss(self, loss_fn, enabled: bool):
+        """The training loss, compiled when `enabled` and the logits are whole (not under tp)."""
+        return compiled_loss(loss_fn, enabled, sharded_logits=self.dims.tp > 1)
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, cfg) -> Parallel:
     plan = plan_of(model)
+    axes = []
+    pipeline = None
     if dims.pp > 1:
-        model = split_model(model, dims, cfg, plan)
+        model, pipeline = split_model(model, dims, cfg, plan)
     model = apply_cpu_linear(model, cfg.training.cpu_linear, dims.tp)
-    model = apply_tensor_parallel(model, dims, plan)
-    model = apply_expert_parallel(model, dims, plan)
-    model = apply_context_parallel(model, dims, plan, cfg.parallel.cp_attention)
+    model, tensor = apply_tensor_parallel(model, dims, plan)
+    model, expert = apply_expert_parallel(model, dims, plan)
+    model, context = apply_context_parallel(model, dims, plan, cfg.parallel.cp_attention)
     model = apply_recompute(model, cfg.training.recompute, plan)
     model = apply_compile(model, cfg.training.compile, plan)
-    roots = build_stages(model, dims, plan) if dims.pp > 1 else None
-    return apply_data_parallel(model, dims, cfg.training.precision, plan, roots, ignored=set(expert_params(model)))
+    roots = pipeline.build_stages(model, plan) if pipeline is not None else None
+    ignored = set(expert.params) if expert is not None else None
+    model, data = apply_data_parallel(model, dims, cfg.training.precision, plan, roots, ignored=ignored)
+    if pipeline is not None:
+        pipeline.finish(model)
+    axes = [axis for axis in (data, tensor, pipeline, context, expert) if axis is not None]
+    return Parallel(model, Axes(axes, model), dims)
 
 
-@contextlib.contextmanager
-def micro_batch(model: nn.Module, dims: ParallelDims, last: bool):
-    """Around one micro-batch's forward, loss and backward: reduce gradients only on the last
-    micro-batch of the step, compute the loss on vocab-sharded logits under tensor parallel, and
-    run attention across the context-parallel ranks (the micro-batch is this rank's shard)."""
-    with gradient_sync(model, last), loss_context(dims), sharded(model):
-        yield
-
-
-def after_backward(model: nn.Module, dims: ParallelDims) -> None:
-    """Once per step, after the last micro-batch's backward: the gradients data parallelism does not
-    reduce itself (the split experts')."""
-    reduce_expert_grads(model, dims)
+def device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device

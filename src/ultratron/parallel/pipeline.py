@@ -14,10 +14,16 @@ What PyTorch lacks and this file adds:
     the copies stay equal, and the gradient norm counts the table once;
   * a forward-only pass that runs any placement with any sequence length (validation and the
     end-of-run sample), since torch's schedules fix the activation shapes when they start.
+
+In a step (`PipelineAxis`): the micro-batches run through the schedule (`PipelineRunner`), which
+divides the gradients by their count after the last backward; the loss, known on the last stage,
+reaches every rank of the pipeline; the gradient norm and per-layer metrics add the stages' ranks.
+A micro-batch's token positions (a context-parallel shard's) are handed to every stage module.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ultratron.models.plan import ParallelPlan
+from ultratron.parallel.axis import AroundForward, Axis, Loss, MicroBatch, plain
 from ultratron.parallel.dims import ParallelDims
 from ultratron.planning.pipeline import SINGLE, rank_stages, stage_layers, stage_ranks, stage_split
 
@@ -60,9 +67,9 @@ class Pipeline:
                 f"ranks {' '.join(map(str, self.ranks))}")
 
 
-def split_model(model: nn.Module, dims: ParallelDims, cfg, plan: ParallelPlan) -> nn.Module:
+def split_model(model: nn.Module, dims: ParallelDims, cfg, plan: ParallelPlan) -> tuple[nn.Module, PipelineAxis]:
     """This rank's part of the model: the blocks of its stages (embedding and head where they belong)
-    under the full model's names, with a `pipeline` attribute saying where everything runs."""
+    under the full model's names; and the axis, which says where everything runs."""
     par = cfg.parallel
     split = stage_split(cfg.model, dims.pp, par.pp_schedule, par.pp_virtual_stages, par.pp_balance,
                         cfg.training.seq_len, par.pp_split)
@@ -71,14 +78,12 @@ def split_model(model: nn.Module, dims: ParallelDims, cfg, plan: ParallelPlan) -
     layers = stage_layers(split)
     names = [str(i) for stage in pipeline.mine for i in layers[stage]]
     part = plan.pipeline_stage(model, names, pipeline.holds_first, pipeline.holds_last)
-    part.pipeline = pipeline
-    return part
+    return part, PipelineAxis(pipeline, dims)
 
 
-def build_stages(part: nn.Module, dims: ParallelDims, plan: ParallelPlan) -> list[nn.Module]:
+def build_stages(part: nn.Module, pipeline: Pipeline, dims: ParallelDims, plan: ParallelPlan) -> list[nn.Module]:
     """The module of each of this rank's stages: views of the part (after TP and recompute wrapped
     its blocks), which the schedule runs and FSDP takes as roots."""
-    pipeline: Pipeline = part.pipeline
     layers = stage_layers(pipeline.split)
     pipeline.modules = []
     for stage in pipeline.mine:
@@ -91,7 +96,7 @@ def build_stages(part: nn.Module, dims: ParallelDims, plan: ParallelPlan) -> lis
 
 # ---- the schedule --------------------------------------------------------------------------
 
-def build_schedule(part: nn.Module, dims: ParallelDims, device: torch.device, n_micro_batches: int, loss_fn):
+def build_schedule(pipeline: Pipeline, dims: ParallelDims, device: torch.device, n_micro_batches: int, loss_fn):
     """torch's schedule for `parallel.pp_schedule` over this rank's stages. Gradients are divided by
     the micro-batch count after the last backward (`scale_grads`), as gradient accumulation does."""
     from torch.distributed.pipelining import (
@@ -106,7 +111,6 @@ def build_schedule(part: nn.Module, dims: ParallelDims, device: torch.device, n_
 
     classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
                "zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
-    pipeline: Pipeline = part.pipeline
     stages = [PipelineStage(module, index, pipeline.n_stages, device, group=dims.pp_group)
               for index, module in zip(pipeline.mine, pipeline.modules, strict=True)]
     cls = classes[pipeline.schedule]
@@ -133,9 +137,8 @@ class TiedGradients:
     """After backward, add the gradients of a tied table's two copies (first stage's embedding, last
     stage's head) so that both take the same optimizer step, as the one shared table would."""
 
-    def __init__(self, part: nn.Module, dims: ParallelDims):
-        copies = getattr(part, "tied_copies", {})  # copy → original (the model family's plan names them)
-        pipeline: Pipeline = part.pipeline
+    def __init__(self, part: nn.Module, pipeline: Pipeline, dims: ParallelDims):
+        copies = part.tied_copies  # copy → original (the model family's plan names them)
         self.enabled = bool(copies)
         self.group = _tied_pair_group(dims, pipeline) if self.enabled else None
         params = dict(part.named_parameters())  # the original and/or the copy, as this rank holds them
@@ -183,10 +186,9 @@ def _recv(src: int, group, device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def forward_only(part: nn.Module, dims: ParallelDims, tokens: torch.Tensor) -> torch.Tensor | None:
+def forward_only(pipeline: Pipeline, dims: ParallelDims, tokens: torch.Tensor) -> torch.Tensor | None:
     """The last stage's output (full logits, also under tensor parallel) on the rank that holds it,
     None on the others: each stage runs where it lives and hands its activations to the next."""
-    pipeline: Pipeline = part.pipeline
     group, me = dims.pp_group, dims.pp_rank
     modules = dict(zip(pipeline.mine, pipeline.modules, strict=True))
     x = tokens
@@ -203,10 +205,151 @@ def forward_only(part: nn.Module, dims: ParallelDims, tokens: torch.Tensor) -> t
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
-def broadcast_from_last(value: torch.Tensor | None, part: nn.Module, dims: ParallelDims, shape, dtype,
+def broadcast_from_last(value: torch.Tensor | None, pipeline: Pipeline, dims: ParallelDims, shape, dtype,
                         device: torch.device) -> torch.Tensor:
     """`value` from the rank holding the last stage, on every rank of the pipeline."""
-    pipeline: Pipeline = part.pipeline
     out = value.to(dtype).contiguous() if pipeline.holds_last else torch.empty(shape, dtype=dtype, device=device)
     dist.broadcast(out, src=dist.get_global_rank(dims.pp_group, pipeline.ranks[-1]), group=dims.pp_group)
     return out
+
+
+# ---- the axis and its runner ------------------------------------------------------------------
+
+class PipelineAxis(Axis):
+    name = "pipeline"
+    splits_layers = True
+
+    def __init__(self, pipeline: Pipeline, dims: ParallelDims):
+        self.pipeline, self.dims = pipeline, dims
+        self.part: nn.Module | None = None
+        self.tied: TiedGradients | None = None
+
+    def build_stages(self, part: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
+        """The stage modules of the part as wrapped so far (the roots data parallelism shards)."""
+        return build_stages(part, self.pipeline, self.dims, plan)
+
+    def finish(self, part: nn.Module) -> None:
+        """The part as the optimizer sees it (data parallelism has wrapped it): the tied copies' pair."""
+        self.part = part
+        self.tied = TiedGradients(part, self.pipeline, self.dims)
+
+    def runner(self, model: nn.Module, loss: Loss, around_forward: AroundForward) -> PipelineRunner:
+        return PipelineRunner(self, loss, around_forward)
+
+    def after_backward(self) -> None:
+        self.tied()
+
+    def average_loss(self, value: torch.Tensor, training: bool) -> torch.Tensor:
+        """The loss is known on the last stage's rank (the others hold zero)."""
+        dist.all_reduce(value, group=self.dims.pp_group)
+        return value
+
+    def reduce_over_stages(self, value: torch.Tensor, op) -> torch.Tensor:
+        dist.all_reduce(value, op=op, group=self.dims.pp_group)
+        return value
+
+    def norm_groups(self) -> list:
+        return [self.dims.pp_group]
+
+    def uncounted(self) -> list[torch.Tensor]:
+        """The copy this rank holds of a table the first stage counts (the head's, tied)."""
+        copies = set(self.part.tied_copies)
+        return [p for name, p in self.part.named_parameters() if name in copies]
+
+    def describe(self) -> list[str]:
+        return [self.pipeline.describe()]
+
+
+class PipelineRunner:
+    """The step's micro-batches through torch's schedule: the first stage reads the inputs, the last
+    computes the loss, the schedule runs forward and backward and divides the gradients by the
+    micro-batch count. Forward runs under `around_forward` (autocast), backward outside it."""
+
+    def __init__(self, axis: PipelineAxis, loss: Loss, around_forward):
+        self.axis, self.pipeline, self.dims, self.loss = axis, axis.pipeline, axis.dims, loss
+        self.device = next(axis.part.parameters()).device
+        self.schedule, self.n_micro_batches = None, 0
+        self._losses: list[torch.Tensor] = []
+        for module in self.pipeline.modules:
+            _forward_under(module, around_forward)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss, ce = self.loss(logits, targets)
+        self._losses.append(plain(ce.detach()))
+        return loss
+
+    def forward_backward(self, batches: list[MicroBatch]) -> torch.Tensor:
+        n = len(batches)
+        if self.schedule is None or n != self.n_micro_batches:
+            self.schedule = build_schedule(self.pipeline, self.dims, self.device, n, self._loss)
+            self.n_micro_batches = n
+        inputs = torch.cat([b.inputs for b in batches])
+        targets = torch.cat([b.targets for b in batches])
+        self._losses.clear()
+        with self._positions(batches[0].positions):
+            self.schedule.step(*([inputs] if self.pipeline.holds_first else []), return_outputs=False,
+                               target=targets if self.pipeline.holds_last else None)
+        if not self.pipeline.holds_last:
+            return torch.zeros((), device=self.device)
+        # (the first step's shape inference computes one loss more)
+        return torch.stack(self._losses[-n:]).mean().float()
+
+    def loss_weight(self, n_micro_batches: int) -> float:
+        return 1.0  # torch's schedule divides the gradients by the micro-batch count after backward
+
+    @torch.no_grad()
+    def logits(self, batch: MicroBatch) -> torch.Tensor | None:
+        with self._positions(batch.positions):
+            return forward_only(self.pipeline, self.dims, batch.inputs)
+
+    def train(self, mode: bool) -> None:
+        self.axis.part.train(mode)
+        for module in self.pipeline.modules:  # (views of the part, not its children)
+            module.train(mode)
+
+    def sampling_model(self) -> PipelineLogits:
+        return PipelineLogits(self)
+
+    @contextlib.contextmanager
+    def _positions(self, positions: torch.Tensor | None):
+        """Every stage module rotates by these positions (a context-parallel shard's) within."""
+        for module in self.pipeline.modules:
+            module.positions = positions
+        try:
+            yield
+        finally:
+            for module in self.pipeline.modules:
+                module.positions = None
+
+
+class PipelineLogits:
+    """The pipeline as a callable model for sampling: full logits on every rank."""
+
+    def __init__(self, runner: PipelineRunner):
+        self.runner, self.args = runner, runner.axis.part.args
+
+    def parameters(self):
+        return self.runner.axis.part.parameters()
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        runner = self.runner
+        runner.train(False)
+        logits = forward_only(runner.pipeline, runner.dims, tokens)  # (the stages run under autocast already)
+        shape = (*tokens.shape, self.args.vocab_size)
+        return broadcast_from_last(logits, runner.pipeline, runner.dims, shape, torch.float32, runner.device)
+
+
+def _forward_under(module: nn.Module, context) -> None:
+    """Run `module`'s forward inside `context()` (forward hooks: torch's schedule calls the module)."""
+    active: list = []
+
+    def enter(*_):
+        active.append(context())
+        active[-1].__enter__()
+
+    def leave(*_):
+        active.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)

@@ -4,7 +4,7 @@ activations of routed token slots, and the all-to-all of expert parallelism. Tor
 
 Parameters: the routed experts of a MoE layer (E·3·h·h_e) are split over ep·tp ranks. Once split
 (ep or tp > 1), data parallelism leaves them alone in ultratron (they are not ZeRO-sharded:
-`parallel.expert_parallel` reduces their gradients itself), so a rank holds their parameters,
+`parallel.expert` reduces their gradients itself), so a rank holds their parameters,
 gradients and optimizer state whole for its E/ep experts; everything else shards as the ZeRO stage
 says. (Sharding them over the ranks that hold the same experts too, as torchtitan does with FSDP
 on its expert-data-parallel mesh, is not built.)

@@ -1,11 +1,11 @@
 """Bytes per GPU of a training step for a model shape and a parallel layout, as the trainer runs it.
 
 Static terms, per parameter on the rank (Ψ after TP and PP; N = dp·cp ranks that ZeRO shards over),
-following what `parallel/data_parallel.py` does for the layout (`rules.data_parallel_wrapper`):
+following what `parallel/data.py` does for the layout (`rules.data_parallel_wrapper`):
   one process, DDP, FSDP2's replicate — fp32 weights (bf16 only as autocast's copies, counted with
   the activations), fp32 gradients, Adam moments: 4 + 4 + 8 = 16 bytes; ZeRO-1 (DDP with
   ZeroRedundancyOptimizer) shards the moments 8/N. DDP's gradients are views of its all-reduce
-  buckets (`gradient_as_bucket_view`, parallel/data_parallel.py), not a second copy; once, before
+  buckets (`gradient_as_bucket_view`, parallel/data.py), not a second copy; once, before
   the second step's forward, DDP rebuilds its buckets in the order backward made the gradients
   ready, holding old and new buckets at once (4 more, a moment with no activations alive).
   FSDP2 (zero 2, zero 3, and zero 0/1 whenever the trainer shards) — sharded fp32 weights 4/N,
@@ -358,7 +358,7 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
         # a block's sharded parameters: its routed experts too while they are not split
         layer_params = _layer_params(shape, t) + (0.0 if experts else routed_expert_params_per_layer(shape))
         comm += 2 * layer_params * p + layer_params * 4  # two blocks gathered, one block's fp32 gradients reduced
-        # the root (embedding, final norm, head) stays gathered through the step (parallel/data_parallel.py)
+        # the root (embedding, final norm, head) stays gathered through the step (parallel/data.py)
         comm += p * (sharded - sum(where.layers) * layer_params)
     if layout.pp > 1:  # torch's stages keep a receive buffer per micro-batch and neighbour on another rank
         ranks = stage_ranks(layout.pp_schedule, layout.pp, layout.virtual_stages)

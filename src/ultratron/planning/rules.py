@@ -59,7 +59,7 @@ def unsupported_axis_problems(degrees: dict[str, int], name: Namer = config_name
 
 
 def data_parallel_wrapper(dp: int, zero: int, tp: int = 1, pp: int = 1, dp_replicate: int = 1, ep: int = 1) -> str:
-    """How the trainer runs data parallelism for a layout (`parallel/data_parallel.py`), `dp` the ranks
+    """How the trainer runs data parallelism for a layout (`parallel/data.py`), `dp` the ranks
     it spans (dp·cp under context parallel): "none" (1 rank), "ddp" (zero 0, and zero 1 with
     ZeroRedundancyOptimizer), "fsdp" (FSDP2 `fully_shard`: zero 2 and 3, HSDP, zero 0/1 when dp meets
     tp since DDP takes no DTensor parameters, zero 1 under pp or ep — ZeroRedundancyOptimizer would

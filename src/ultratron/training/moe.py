@@ -18,14 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ultratron.models.moe import Router
-from ultratron.parallel.data_parallel import sum_over_dp
-from ultratron.parallel.dims import ParallelDims
+from ultratron.parallel.axis import Axes
 
 
 class RouterStats:
-    def __init__(self, model: nn.Module, dims: ParallelDims):
+    def __init__(self, model: nn.Module, axes: Axes):
         self.routers = [m for m in model.modules() if isinstance(m, Router)]
-        self.dims = dims
+        self.axes = axes
 
     def before_step(self, loss_weight: float) -> None:
         """One micro-batch's weight in this step's gradient (a batch ramp varies the micro-batches)."""
@@ -38,23 +37,21 @@ class RouterStats:
         if not self.routers:
             return {}
         stats = [r.totals(n_micro_batches) for r in self.routers]
-        load = sum_over_dp(torch.stack([s[0] for s in stats]), self.dims)  # (layers, experts)
-        totals = sum_over_dp(torch.stack([torch.stack([s[1], s[2], s[1].new_tensor(float(s[3]))])
-                                          for s in stats]).sum(0), self.dims)
+        load = self.axes.sum_over_data(torch.stack([s[0] for s in stats]))  # (layers, experts)
+        totals = self.axes.sum_over_data(torch.stack([torch.stack([s[1], s[2], s[1].new_tensor(float(s[3]))])
+                                                      for s in stats]).sum(0))
         ratio = (load.max(1).values / load.mean(1).clamp_min(1e-9)).max()
         for router, layer_load in zip(self.routers, load, strict=True):
             router.update_bias(layer_load)
             router.clear()
         slots = load.sum()
-        if self.dims.pp > 1:  # each pipeline rank holds other layers: combine theirs
-            group = self.dims.pp_group
-            dist.all_reduce(ratio, op=dist.ReduceOp.MAX, group=group)
-            both = torch.stack([totals[0], totals[1], totals[2], slots])
-            dist.all_reduce(both, group=group)
+        if self.axes.splits_layers:  # each rank holds other layers: combine theirs
+            ratio = self.axes.reduce_over_stages(ratio, dist.ReduceOp.MAX)
+            both = self.axes.reduce_over_stages(torch.stack([totals[0], totals[1], totals[2], slots]))
             totals, slots = both[:3], both[3]
         dropped, aux_sum, micro_batches = (float(v) for v in totals)
         out = {"moe_load_max_mean": float(ratio), "moe_dropped": dropped / max(float(slots), 1.0),
                "moe_aux_loss": aux_sum / max(micro_batches, 1.0)}
-        if self.dims.pp == 1:
+        if not self.axes.splits_layers:
             out["moe_load"] = [[int(x) for x in layer] for layer in load.tolist()]
         return out

@@ -22,10 +22,7 @@ from ultratron.data.prepare import prepare_data
 from ultratron.errors import DeviceError
 from ultratron.models.llama import build_model
 from ultratron.models.sampling import generate
-from ultratron.parallel.data_parallel import keeps_gradients, wrap_optimizer
-from ultratron.parallel.dims import ParallelDims
-from ultratron.parallel.grads import clip_grad_norm, tied_copies
-from ultratron.parallel.parallelize import parallelize
+from ultratron.parallel.parallelize import parallelize, topology
 from ultratron.planning.flops import training_flops_per_token
 from ultratron.planning.params import count_params_of
 from ultratron.training.batch_ramp import BatchSchedule
@@ -40,7 +37,7 @@ from ultratron.training.profiling import StepProfiler
 from ultratron.training.progress import Reporter
 from ultratron.training.stability import StabilityGuard
 from ultratron.training.state import TrainState
-from ultratron.training.step import step_strategy
+from ultratron.training.step import TrainStep
 from ultratron.training.validation import Validator
 
 
@@ -68,7 +65,7 @@ class TrainResult:
 class Trainer:
     def __init__(self, cfg: Config, echo: bool = True):
         self.cfg, t = cfg, cfg.training
-        self.dims = ParallelDims.from_config(cfg.parallel)
+        self.dims = topology(cfg.parallel)
         self.run_dir = Path(cfg.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log = Reporter(self.run_dir, is_main=self.dims.is_main, tensorboard=cfg.run.tensorboard,
@@ -89,11 +86,12 @@ class Trainer:
                                         dp_rank=self.dims.dp_rank, dp_world=cfg.parallel.dp, seed=t.seed,
                                         exhausted=cfg.data.exhausted)
 
-        self.model = parallelize(build_model(cfg.model, self.device), self.dims, cfg)
-        self.optimizer = wrap_optimizer(build_optimizer(self.model, cfg.optim), self.dims)
+        parallel = parallelize(build_model(cfg.model, self.device), self.dims, cfg)
+        self.model, self.axes = parallel.model, parallel.axes
+        self.optimizer = self.axes.wrap_optimizer(build_optimizer(self.model, cfg.optim))
         self.batch = BatchSchedule.from_config(cfg)  # tokens per step: fixed, or a ramp
-        self.strategy = step_strategy(self.model, self.dims, self.device, t.precision, t.z_loss, t.compile)
-        self.routers = RouterStats(self.model, self.dims)
+        self.strategy = TrainStep(parallel, self.device, t.precision, t.z_loss, t.compile)
+        self.routers = RouterStats(self.model, self.axes)
         self.state = TrainState(self.train_loader, to_dict(cfg))
         self.validator = Validator(lambda: open_loader(self.data, "val", seq_len=t.seq_len,
                                                        micro_batch_size=t.micro_batch_size, seed=t.seed),
@@ -174,13 +172,12 @@ class Trainer:
         self.routers.before_step(self.strategy.loss_weight(n_micro_batches))
         loss = self.strategy.forward_backward(self.train_loader.next_batch, n_micro_batches)
         max_norm = cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf
-        grad_norm = float(clip_grad_norm(self.model.parameters(), max_norm, self.dims.pp_group,
-                                         uncounted=tied_copies(self.model)))
+        grad_norm = float(self.axes.clip_grad_norm(max_norm))
         skipped = self.guard.skip_update(self.step + 1, loss, grad_norm)  # NaN/Inf: no update
         if not skipped:
             self.checkpoints.before_update()  # an asynchronous save may still be copying the weights
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=not keeps_gradients(self.model))
+        self.axes.zero_grad(self.optimizer)
         moe = self.routers.after_step(n_micro_batches)
         self.state.step += 1
         self.state.tokens += tokens
@@ -216,16 +213,16 @@ class Trainer:
         if self.dims.restart_count:  # torchrun restarted the whole group after a failure
             self.log(f"launch: restart {self.dims.restart_count} of this job; resumed at step {self.step}")
             self.log.record({"step": self.step, "restarts": self.dims.restart_count})
-        if self.dims.pp > 1:
-            self.log(self.model.pipeline.describe())
+        for line in self.axes.describe():
+            self.log(line)
 
     @torch.no_grad()
     def sample(self, prompt: str = "def") -> str:
         """A short sample (every rank takes part under a parallel layout; rank 0 logs it)."""
         self.model.eval()
-        multiple = self.dims.tp if self.dims.sp else 1  # sequence parallel splits the sequence over tp ranks
         ids = generate(self.strategy.sampling_model, self.tokenizer.encode(prompt), self.cfg.training.sample_tokens,
-                       stop_id=self.tokenizer.eos_id, seed=self.cfg.training.seed, length_multiple=multiple)
+                       stop_id=self.tokenizer.eos_id, seed=self.cfg.training.seed,
+                       length_multiple=self.axes.sequence_multiple)
         text = prompt + self.tokenizer.decode(ids)
         self.log("sample:\n" + text)
         return text

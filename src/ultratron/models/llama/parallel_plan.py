@@ -9,7 +9,7 @@ all-reduce becomes a reduce-scatter after wo/w2 and an all-gather before wq/w1. 
 vocab-parallel (rows split over ranks); the output head is column-parallel over the vocabulary
 and keeps its logits sharded for `loss_parallel`. A mixture-of-experts layer takes the whole
 (gathered) tokens as a plain tensor: its router is replicated, its shared experts are column- then
-row-parallel like the dense SwiGLU, and its routed experts are split by `parallel.expert_parallel`
+row-parallel like the dense SwiGLU, and its routed experts are split by `parallel.expert`
 (over the hidden width on the tp ranks, over the experts on the ep ranks); under sequence parallel
 its output is cut back to the rank's part of the sequence.
 
@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from ultratron.models.llama.model import softcap
+from ultratron.models.llama.model import sdpa_attention, softcap
 from ultratron.models.moe import MoE
 from ultratron.models.plan import ParallelPlan
 
@@ -94,7 +94,8 @@ class LlamaStage(nn.Module):
     if it holds the first stage and the final norm and head if it holds the last, under the names the
     full model gives them. Its forward runs one stage: token ids or the previous stage's activations
     in, activations or logits out. `sequence_shards`: under sequence parallel the activations between
-    stages hold 1/tp of the sequence, so the rotary tables are cut for tp times their length."""
+    stages hold 1/tp of the sequence, so the rotary tables are cut for tp times their length;
+    `positions`: the tokens' positions when they are not 0, 1, ... (a context-parallel shard's)."""
 
     def __init__(self, model: nn.Module, layer_names: list[str], first: bool, last: bool):
         super().__init__()
@@ -111,6 +112,7 @@ class LlamaStage(nn.Module):
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         self.sequence_shards = 1
+        self.positions: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:
@@ -118,7 +120,8 @@ class LlamaStage(nn.Module):
             x = self.tok_embeddings(x)
         else:
             seq = x.shape[1] * self.sequence_shards
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        rows = self.positions if self.positions is not None else slice(0, seq)
+        cos, sin = self.rope_cos[rows], self.rope_sin[rows]
         for layer in self.layers.values():
             x = layer(x, cos, sin)
         if self.output is not None:
@@ -140,4 +143,5 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 
 
 PLAN = ParallelPlan(blocks=blocks, tensor_parallel=tensor_parallel, tie_weights=tie_weights,
-                    pipeline_stage=pipeline_stage, set_attention=set_attention, moe_layers=moe_layers)
+                    pipeline_stage=pipeline_stage, set_attention=set_attention, attention=sdpa_attention,
+                    moe_layers=moe_layers)

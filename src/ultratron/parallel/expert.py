@@ -20,9 +20,10 @@ gradients) and the summed output leaves through `_ReduceFromTP` (all-reduce; bac
 Megatron-LM's f and g operators (Shoeybi et al. 2019).
 
 Gradients: a rank's expert gradients hold the contributions of every ep rank's tokens (they came
-back through the all-to-all); FSDP/DDP leave the experts alone (`expert_params`), and
-`reduce_expert_grads` sums them over the ranks that hold the same experts (edp × cp) and divides
-by dp × cp — the same mean over every token that data parallelism takes of the other gradients.
+back through the all-to-all); FSDP/DDP leave the experts alone (`ExpertAxis.params`, which
+`parallelize` hands the data axis to ignore), and after backward the axis sums them over the ranks
+that hold the same experts (dp_replicate × edp × cp) and divides by dp × cp — the same mean over
+every token that data parallelism takes of the other gradients.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ultratron.models.moe import GroupedExperts, grouped_swiglu, sort_by_expert
 from ultratron.models.plan import ParallelPlan
+from ultratron.parallel.axis import Axis
 from ultratron.parallel.dims import ParallelDims
 
 
@@ -120,13 +122,34 @@ class ShardedExperts:
         return _ReduceFromTP.apply(out, self.tp_group) if self.tp_group is not None else out
 
 
-def apply_expert_parallel(model: nn.Module, dims: ParallelDims, plan: ParallelPlan) -> nn.Module:
+class ExpertAxis(Axis):
+    name = "expert"
+
+    def __init__(self, params: list[nn.Parameter], dims: ParallelDims):
+        self.params, self.dims = params, dims  # the split experts' parameters, in the model's order
+
+    @torch.no_grad()
+    def after_backward(self) -> None:
+        """Each split expert's gradient summed over the ranks holding the same experts and divided by
+        dp × cp (the mean over every token, as for the other parameters)."""
+        groups = [self.dims.mesh[name].get_group() for name in self.dims.expert_replica_dims]
+        for param in self.params:
+            if param.grad is None:
+                continue
+            grad = _local(param.grad)
+            for group in groups:
+                dist.all_reduce(grad, group=group)
+            grad.div_(self.dims.data_parallel)
+
+
+def apply_expert_parallel(model: nn.Module, dims: ParallelDims, plan: ParallelPlan) -> tuple[nn.Module, Axis | None]:
     """Split every MoE layer's routed experts over ep (experts) and tp (hidden width); swap in the
     all-to-all dispatch. Nothing to do for a dense model or without ep and tp."""
     layers = plan.moe_layers(model)
     if not layers or (dims.ep == 1 and dims.tp == 1):
-        return model
+        return model, None
     mesh = dims.submesh("ep", "tp")
+    split = []
     for moe in layers:
         experts = moe.experts
         for name, hidden_dim in GroupedExperts.HIDDEN_DIMS.items():
@@ -134,29 +157,8 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims, plan: ParallelPl
             # every rank built the same full weights, so each keeps its own slice without communication
             sharded = nn.Parameter(distribute_tensor(getattr(experts, name).detach(), mesh, placements,
                                                      src_data_rank=None))
-            sharded._ultratron_expert = True
             setattr(experts, name, sharded)
+            split.append(sharded)
         moe.dispatch = ShardedExperts(dims.ep_mesh.get_group() if dims.ep > 1 else None, dims.ep,
                                       dims.tp_mesh.get_group() if dims.tp > 1 else None)
-    return model
-
-
-def expert_params(model: nn.Module) -> list[nn.Parameter]:
-    """The routed experts' parameters once split, in the model's order (the same on every rank);
-    data parallelism leaves them to `reduce_expert_grads`."""
-    return [p for p in model.parameters() if getattr(p, "_ultratron_expert", False)]
-
-
-@torch.no_grad()
-def reduce_expert_grads(model: nn.Module, dims: ParallelDims) -> None:
-    """After the step's last backward: each split expert's gradient summed over the ranks holding the
-    same experts and divided by dp × cp (the mean over every token, as for the other parameters)."""
-    params = [p for p in expert_params(model) if p.grad is not None]
-    if not params:
-        return
-    groups = [dims.mesh[name].get_group() for name in dims.expert_replica_dims]
-    for param in params:
-        grad = _local(param.grad)
-        for group in groups:
-            dist.all_reduce(grad, group=group)
-        grad.div_(dims.data_parallel)
+    return model, ExpertAxis(split, dims)

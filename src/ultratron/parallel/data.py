@@ -21,6 +21,15 @@ and zero 1 as zero 2.
 Mixed precision: under bf16 FSDP2 keeps bf16 parameters in flight and reduces in fp32
 (`MixedPrecisionPolicy`); DDP runs bf16 compute through autocast on fp32 weights. Either way the
 master weights, the reductions and the optimizer state are fp32.
+
+Context-parallel ranks hold other tokens of the same sequences, so the gradients are reduced over
+dp × cp (the flattened mesh `ParallelDims.dp_mesh` gives); the loss and token counts, though, are
+averaged here over the dp ranks only, and the context axis adds its own ranks.
+
+In a step (`DataAxis`): gradients are reduced only on a step's last micro-batch (`no_sync`, or
+FSDP2's `set_requires_gradient_sync`); the training loss is the mean over the dp ranks (validation
+runs the same batch on every dp rank); ZeRO-1 wraps the optimizer; DDP's gradients stay as views
+of its buckets, zeroed in place.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ultratron.models.plan import ParallelPlan
+from ultratron.parallel.axis import Axis
 from ultratron.parallel.dims import ParallelDims
 
 
@@ -93,74 +103,72 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, ignored: set | None = None) 
     return ddp
 
 
-def keeps_gradients(model: nn.Module) -> bool:
-    """Whether the model's gradients are buffers to zero in place rather than set to None: DDP's
-    are views of its buckets, and a None would make the next backward allocate a second copy."""
-    return bool(getattr(model, "gradient_as_bucket_view", False))
-
-
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, precision: str, plan: ParallelPlan,
-                        roots: list[nn.Module] | None = None, ignored: set | None = None) -> nn.Module:
-    """Over dp × cp ranks (context-parallel ranks average their gradients like data-parallel ones)."""
-    if dims.data_parallel == 1:
-        return model
-    if dims.uses_fsdp:
-        return apply_fsdp(model, dims, precision, plan, roots, ignored)
-    if roots is not None:  # pipeline stages, zero 0
-        return apply_replicate(model, dims, plan, roots, ignored)
-    return apply_ddp(model, dims, ignored)
+                        roots: list[nn.Module] | None = None,
+                        ignored: set | None = None) -> tuple[nn.Module, DataAxis | None]:
+    """Over dp × cp ranks (context-parallel ranks average their gradients like data-parallel ones).
+    The axis is active over dp × cp > 1 ranks (under cp alone its loss average is over one rank)."""
+    if dims.data_parallel > 1:
+        if dims.uses_fsdp:
+            model = apply_fsdp(model, dims, precision, plan, roots, ignored)
+        elif roots is not None:  # pipeline stages, zero 0
+            model = apply_replicate(model, dims, plan, roots, ignored)
+        else:
+            model = apply_ddp(model, dims, ignored)
+    return model, (DataAxis(model, dims) if dims.data_parallel > 1 else None)
 
 
-def wrap_optimizer(optimizer: torch.optim.Optimizer, dims: ParallelDims) -> torch.optim.Optimizer:
-    """ZeRO-1 with DDP: the same AdamW groups, each rank holding the state of its share."""
-    if dims.zero != 1 or dims.data_parallel == 1 or dims.uses_fsdp:
-        return optimizer
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+class DataAxis(Axis):
+    name = "data"
 
-    groups = optimizer.param_groups
-    defaults = {k: v for k, v in optimizer.defaults.items()
-                if k in ("lr", "betas", "eps", "weight_decay")}
-    zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=type(optimizer),
-                                   process_group=dims.dp_mesh.get_group(), **{**defaults,
-                                   "weight_decay": groups[0]["weight_decay"]})
-    for group in groups[1:]:
-        zero.add_param_group({"params": group["params"], "weight_decay": group["weight_decay"]})
-    return zero
+    def __init__(self, model: nn.Module, dims: ParallelDims):
+        self.model, self.dims = model, dims
+        # the data-parallel ranks alone (not the context-parallel ones FSDP/DDP also reduce over)
+        self.groups = [dims.mesh[name].get_group() for name in dims.dp_dims]
+
+    def micro_batch_context(self, last: bool):
+        """Reduce the gradients only on the last micro-batch of an accumulation."""
+        if last:
+            return contextlib.nullcontext()
+        if hasattr(self.model, "no_sync"):  # DDP
+            return self.model.no_sync()
+        return _without_gradient_sync(self.model)  # FSDP2
+
+    def average_loss(self, value: torch.Tensor, training: bool) -> torch.Tensor:
+        """Each dp rank trains on its own sequences (as many tokens each: the mean of the means is the
+        mean over every token); validation gives every dp rank the same batch."""
+        return self.sum_over_data(value) / self.dims.dp if training else value
+
+    def sum_over_data(self, value: torch.Tensor) -> torch.Tensor:
+        for group in self.groups:
+            dist.all_reduce(value, group=group)
+        return value
+
+    def keeps_gradients(self) -> bool:
+        """DDP's gradients are views of its buckets; a None would make the next backward allocate a
+        second copy."""
+        return bool(getattr(self.model, "gradient_as_bucket_view", False))
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """ZeRO-1 with DDP: the same AdamW groups, each rank holding the state of its share."""
+        if self.dims.zero != 1 or self.dims.uses_fsdp:
+            return optimizer
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        groups = optimizer.param_groups
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")}
+        zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=type(optimizer),
+                                       process_group=self.dims.dp_mesh.get_group(),
+                                       **{**defaults, "weight_decay": groups[0]["weight_decay"]})
+        for group in groups[1:]:
+            zero.add_param_group({"params": group["params"], "weight_decay": group["weight_decay"]})
+        return zero
 
 
 @contextlib.contextmanager
-def gradient_sync(model: nn.Module, enabled: bool):
-    """Skip the gradient reduction on all but the last micro-batch of an accumulation."""
-    if enabled:
+def _without_gradient_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
         yield
-        return
-    if hasattr(model, "no_sync"):  # DDP
-        with model.no_sync():
-            yield
-        return
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-        return
-    yield
-
-
-def sum_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
-    """The sum of a per-rank tensor over the data-parallel ranks, context-parallel ones included
-    (tp ranks already agree)."""
-    if dims.data_parallel == 1:
-        return value
-    value = value.detach().clone().float()
-    mesh = dims.dp_mesh
-    for d in range(mesh.ndim):
-        dist.all_reduce(value, group=mesh.get_group(d))
-    return value
-
-
-def average_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
-    """The mean of a per-rank scalar over the data-parallel (and context-parallel) ranks: each holds
-    as many tokens, so the mean of their means is the mean over every token."""
-    return sum_over_dp(value, dims) / dims.data_parallel
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -26,10 +26,12 @@ kernel, hence this module. Grouped-query heads are repeated per block for the ke
 gradients summed back; K/V travel unrepeated.
 
 The attention function is swapped into the model from outside (`ParallelPlan.set_attention`); it
-runs the ring only inside `sharded(model)` — the training step and validation, which hand it
-sharded batches — and plain attention otherwise (sampling runs the whole context on every rank).
-Gradients of every parameter are averaged over dp × cp (FSDP/DDP on the flattened mesh), since the
-cp ranks see different tokens of the same sequences.
+runs across the ranks only inside the axis' step context — the training step and validation, whose
+micro-batches `ContextAxis.shard` cut — and the family's own attention otherwise (sampling runs the
+whole context on every rank). The shard carries its tokens' positions (`MicroBatch.positions`),
+which the model's RoPE takes, inside pipeline stages too. Gradients of every parameter are averaged
+over dp × cp (FSDP/DDP on the flattened mesh), since the cp ranks see different tokens of the same
+sequences; the loss is averaged over the cp ranks here.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ultratron.models.llama.model import sdpa_attention
 from ultratron.models.plan import ParallelPlan
+from ultratron.parallel.axis import Axis, MicroBatch
 from ultratron.parallel.dims import ParallelDims
 
 MODES = ("ring", "allgather")
@@ -251,17 +253,17 @@ def _gather_natural(kv: torch.Tensor, group, cp: int) -> torch.Tensor:
 
 class ContextParallelAttention:
     """The attention function of every block under context parallel: across the cp ranks while
-    `active` (inside `sharded`), plain attention otherwise."""
+    `active` (the axis' step context), `local` (the family's own attention) otherwise."""
 
-    def __init__(self, group, rank: int, cp: int, mode: str = "ring"):
+    def __init__(self, group, rank: int, cp: int, mode: str = "ring", local=None):
         if mode not in MODES:
             raise ValueError(f"context-parallel attention {mode!r}: one of {', '.join(MODES)}")
-        self.group, self.rank, self.cp, self.mode = group, rank, cp, mode
+        self.group, self.rank, self.cp, self.mode, self.local = group, rank, cp, mode, local
         self.active = False
 
     def __call__(self, q, k, v, mask, groups: int) -> torch.Tensor:
         if not self.active or mask is not None:
-            return sdpa_attention(q, k, v, mask, groups)
+            return self.local(q, k, v, mask, groups)
         dtype = q.dtype
         if q.device.type == "cpu" and dtype == torch.bfloat16:  # as sdpa_attention: fp32 on CPU
             q, k, v = q.float(), k.float(), v.float()
@@ -270,48 +272,55 @@ class ContextParallelAttention:
             return fn.apply(q, k, v, groups, self.group, self.rank, self.cp).to(dtype)
 
 
-# ---- applying it -----------------------------------------------------------------------------
+# ---- the axis ---------------------------------------------------------------------------------
 
-def apply_context_parallel(model: nn.Module, dims: ParallelDims, plan: ParallelPlan, mode: str = "ring") -> nn.Module:
-    """Give every block the context-parallel attention; `model.context_parallel` holds it."""
+class ContextAxis(Axis):
+    name = "context"
+
+    def __init__(self, attention: ContextParallelAttention, dims: ParallelDims):
+        self.attention, self.cp, self.rank = attention, dims.cp, dims.cp_rank
+
+    def shard(self, batch: MicroBatch) -> MicroBatch:
+        """This rank's two chunks of every sequence: token ids, targets and their positions alike."""
+        seq = batch.inputs.shape[1]
+        positions = shard_positions(seq, self.cp, self.rank, batch.inputs.device)
+        if batch.positions is not None:
+            positions = batch.positions[positions]
+        return MicroBatch(shard_sequence(batch.inputs, self.cp, self.rank),
+                          shard_sequence(batch.targets, self.cp, self.rank), positions)
+
+    @contextlib.contextmanager
+    def step_context(self, training: bool):
+        """Attention across the cp ranks (the micro-batches are this rank's shards)."""
+        self.attention.active = True
+        try:
+            yield
+        finally:
+            self.attention.active = False
+
+    def average_loss(self, value: torch.Tensor, training: bool) -> torch.Tensor:
+        """Each cp rank holds as many tokens of the same sequences: the mean of their means."""
+        return self.sum_over_data(value) / self.cp
+
+    def sum_over_data(self, value: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(value, group=self.attention.group)
+        return value
+
+
+def apply_context_parallel(model: nn.Module, dims: ParallelDims, plan: ParallelPlan,
+                           mode: str = "ring") -> tuple[nn.Module, Axis | None]:
+    """Give every block the context-parallel attention."""
     if dims.cp == 1:
-        return model
+        return model, None
     group = dims.cp_mesh.get_group()
-    attention = ContextParallelAttention(group, dims.cp_rank, dims.cp, mode)
+    attention = ContextParallelAttention(group, dims.cp_rank, dims.cp, mode, local=plan.attention)
     plan.set_attention(model, attention)
-    model.context_parallel = attention
     for moe in plan.moe_layers(model):  # the balancing loss counts the whole micro-batch's routing
         moe.router.share_counts = partial(_summed, group=group)
-    return model
+    return model, ContextAxis(attention, dims)
 
 
 def _summed(counts: torch.Tensor, group) -> torch.Tensor:
     counts = counts.clone()
     dist.all_reduce(counts, group=group)
     return counts
-
-
-def context_parallel_of(model: nn.Module) -> ContextParallelAttention | None:
-    return getattr(getattr(model, "module", model), "context_parallel", None)
-
-
-@contextlib.contextmanager
-def sharded(model: nn.Module):
-    """Within: attention runs across the cp ranks (the inputs are this rank's shards)."""
-    attention = context_parallel_of(model)
-    if attention is None:
-        yield
-        return
-    attention.active = True
-    try:
-        yield
-    finally:
-        attention.active = False
-
-
-def shard_batch(inputs: torch.Tensor, targets: torch.Tensor, dims: ParallelDims):
-    """(inputs, targets, positions) of this cp rank's two chunks; unchanged (positions None) without cp."""
-    if dims.cp == 1:
-        return inputs, targets, None
-    positions = shard_positions(inputs.shape[1], dims.cp, dims.cp_rank, inputs.device)
-    return shard_sequence(inputs, dims.cp, dims.cp_rank), shard_sequence(targets, dims.cp, dims.cp_rank), positions
