@@ -5,6 +5,8 @@ outside the code under test."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import signal
@@ -17,7 +19,9 @@ import pytest
 import torch
 
 from conftest import Counter
+from ultratron.checkpoint import verify as verify_module
 from ultratron.checkpoint.manager import Checkpointer, ModelState, read_checkpoint
+from ultratron.checkpoint.verify import verify
 from ultratron.config import load_config
 from ultratron.errors import CheckpointError, TrainingError
 from ultratron.training.metrics import read_metrics
@@ -86,6 +90,53 @@ def test_truncated_or_overwritten_newest_checkpoints_are_skipped_with_a_reason(t
     model, counter = torch.nn.Linear(64, 64), Counter()
     read_checkpoint(chosen, ModelState(model), counter)
     assert counter.step == 10 and torch.equal(model.weight, torch.full((64, 64), 10.0))
+
+
+def test_damage_past_the_first_hashing_chunk_is_found_and_named(tmp_path):
+    """Files are hashed in CHUNK-sized reads: a shard over one chunk, damaged only after its first
+    chunk (one byte just past it, or its very last byte) or cut short there, fails verification
+    by name, and the resume takes the older intact checkpoint."""
+    # 1024 × 2080 fp32 weights: 8.1 MiB, just over the real 8 MiB chunk (not a patched smaller one)
+    messages: list[str] = []
+    checkpointer = Checkpointer(tmp_path, keep=5, log=messages.append)
+    for step in (10, 20, 30, 40):
+        model = torch.nn.Linear(1024, 2080, bias=False)
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        checkpointer.save(step, ModelState(model), Counter(step), {"config.toml": ""}).result()
+    name = "dcp/__0_0.distcp"
+    shards = {step: tmp_path / f"step-{step:07d}" / name for step in (10, 20, 30, 40)}
+    size = shards[10].stat().st_size
+    assert size > verify_module.CHUNK + 4096  # the damage below lies wholly past the first chunk
+    manifest = json.loads((tmp_path / "step-0000010" / "manifest.json").read_text())
+    assert manifest["files"][name] == {"size": size, "sha256": hashlib.sha256(shards[10].read_bytes()).hexdigest()}
+
+    def flip(path, offset):
+        data = bytearray(path.read_bytes())
+        data[offset] ^= 0x01  # one bit
+        path.write_bytes(bytes(data))
+
+    flip(shards[20], verify_module.CHUNK + 4096)
+    flip(shards[30], size - 1)
+    with open(shards[40], "r+b") as fh:
+        fh.truncate(verify_module.CHUNK + 4096)
+    storage = checkpointer.storage
+    assert verify(storage, tmp_path / "step-0000010") == []
+    for step in (20, 30):
+        assert verify(storage, tmp_path / f"step-{step:07d}") == [
+            f"{name} does not match its checksum (its bytes changed after it was written)"]
+    assert verify(storage, tmp_path / "step-0000040") == [
+        f"{name} has {verify_module.CHUNK + 4096:,} bytes, the manifest says {size:,} (truncated or overwritten)"]
+    with pytest.raises(CheckpointError, match=f"step-0000030 failed verification: {name} does not match"):
+        read_checkpoint(tmp_path / "step-0000030", ModelState(torch.nn.Linear(1024, 2080, bias=False)))
+
+    chosen = Checkpointer(tmp_path, log=messages.append).newest_verified()
+    assert chosen == tmp_path / "step-0000010"
+    assert [m.split(" failed verification")[0].rsplit("/", 1)[-1] for m in messages] == [
+        "step-0000040", "step-0000030", "step-0000020"]
+    model, counter = torch.nn.Linear(1024, 2080, bias=False), Counter()
+    read_checkpoint(chosen, ModelState(model), counter)
+    assert counter.step == 10 and torch.equal(model.weight, torch.full((2080, 1024), 10.0))
 
 
 # ---- 4. killed during a save ---------------------------------------------------------------------------

@@ -46,15 +46,17 @@ def _race(model, continuous: bool):
     while len(order) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     batcher.close()
-    return order, long, short
+    return order, long, short, batcher.rows_per_step
 
 
 def test_a_short_request_finishes_while_a_long_generation_runs(model):
-    order, long, short = _race(model, continuous=True)
+    order, long, short, rows_per_step = _race(model, continuous=True)
     (first, err1, long_tokens_then), (second, err2, _) = order
     assert (first, second) == ("short", "long") and err1 is None and err2 is None
-    assert len(short.tokens) == 4 and len(long.tokens) == LONG
-    assert long_tokens_then < LONG // 4  # it joined at a token boundary, early in the long run
+    assert len(short.tokens) == 4 and len(long.tokens) == LONG and long_tokens_then < LONG
+    # it joined at a token boundary: each of its 4 tokens came from a step it shared with the long
+    # generation, which took no step more than its 512 tokens
+    assert rows_per_step[:3] == [0, LONG - 4, 4] and sum(rows_per_step) == LONG
     # joining and leaving the batch changed nobody's tokens: each equals its generation alone
     alone = [Sequence(s.prompt_ids, s.params) for s in (long, short)]
     for seq in alone:
@@ -63,9 +65,10 @@ def test_a_short_request_finishes_while_a_long_generation_runs(model):
 
 
 def test_fixed_groups_make_the_short_request_wait(model):
-    order, long, short = _race(model, continuous=False)
+    order, long, short, rows_per_step = _race(model, continuous=False)
     assert [name for name, _, _ in order] == ["long", "short"]
     assert order[1][2] == LONG  # the short one started only after the long one ended
+    assert rows_per_step[:3] == [0, LONG + 4, 0]  # the two never shared a step
 
 
 def test_rows_leave_and_join_in_any_order(model):
@@ -204,17 +207,18 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(model):
 
 @pytest.mark.parametrize("rows", [1, 8])
 def test_max_batch_bounds_the_sequences_generated_together(model, rows):
-    """`--max-batch` (the KV-cache slots): eight 6-token requests at once take about 6 engine steps
-    with 8 slots (they run together) and 48 with 1 (one after another), with the same tokens."""
+    """`--max-batch` (the KV-cache slots): eight 6-token sequences queued at once take 6 engine steps
+    of 8 sequences each with 8 slots (they run together) and 48 of one with 1 slot (one after
+    another), with the same tokens."""
     batcher = Batcher(model, eos_id=0, decode=_decode, max_rows=rows)
     seqs = [Sequence([5 + i, 9], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for i in range(8)]
     done = threading.Semaphore(0)
     batcher.submit(seqs, lambda err: done.release())
     assert done.acquire(timeout=120)
-    steps = batcher.steps_run
+    rows_per_step = batcher.rows_per_step
     batcher.close()
     alone = [Sequence([5 + i, 9], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for i in range(8)]
     for seq in alone:
         run_batch(model, [seq], eos_id=0, decode=_decode)
     assert [[t.id for t in s.tokens] for s in seqs] == [[t.id for t in s.tokens] for s in alone]
-    assert steps <= 8 if rows == 8 else steps >= 8 * 5
+    assert rows_per_step == ([0] * 8 + [6] if rows == 8 else [0, 8 * 6])

@@ -98,20 +98,39 @@ def test_seeded_sampling_stop_and_tokenizer_endpoints(served):
 
 
 def test_concurrent_requests_are_batched_and_answered(served):
+    """Six requests sent together share decode steps (the server's /stats counts the sequences of
+    each step) and each answer is what the request gets alone."""
     client = _client(served)
+    tokens = 96  # with `ignore_eos` exactly this many: each request alone holds the worker for 96 steps
+
+    def ask(prompt):
+        return client.completions.create(model="ultratron", prompt=prompt, max_tokens=tokens, temperature=0,
+                                         extra_body={"ignore_eos": True})
+
     results = [None] * 6
+    barrier = threading.Barrier(6)
 
-    def ask(i):
-        results[i] = client.completions.create(model="ultratron", prompt=f"x{i} = ", max_tokens=6,
-                                               temperature=0).choices[0].text
+    def concurrent(i):
+        barrier.wait()  # released together, so none waits for another to be answered before sending
+        results[i] = ask(f"x{i} = ")
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    before = _raw(served, "/stats", None, method="GET")[1]["rows_per_step"]
+    threads = [threading.Thread(target=concurrent, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    solo = client.completions.create(model="ultratron", prompt="x3 = ", max_tokens=6, temperature=0).choices[0].text
-    assert all(r is not None for r in results) and results[3] == solo
+    after = _raw(served, "/stats", None, method="GET")[1]["rows_per_step"]
+    steps = {int(n): count - before.get(n, 0) for n, count in after.items() if count > before.get(n, 0)}
+    assert all(r.usage.completion_tokens == tokens for r in results)
+    # every generated token is counted once: the steps of this window hold the six requests' tokens
+    assert sum(n * count for n, count in steps.items()) == 6 * tokens
+    # and steps held several of them: run one at a time, every step would hold one sequence. (Only
+    # a client that sent each request after the previous one's 96 steps were over could see that.)
+    assert max(steps) >= 2, steps
+    print(f"concurrent requests: decode steps by batch size {dict(sorted(steps.items()))}")
+    solo = ask("x3 = ")
+    assert solo.choices[0].text == results[3].choices[0].text
 
 
 @pytest.mark.parametrize("case", ["json", "model", "long", "nokey", "badkey", "huge", "field"])

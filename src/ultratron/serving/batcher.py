@@ -64,12 +64,22 @@ class Batcher:
         self._job_of: dict[int, _Job] = {}  # id(sequence) → its job, for the running ones
         self._closed = False
         self.steps_run = 0
+        # engine steps by how many sequences got a token in them: [0, n1, n2, ...]. Shows whether
+        # concurrent requests shared forward passes (one list, updated in place: safe to copy from
+        # another thread under the GIL)
+        self.rows_per_step = [0] * (max_rows + 1)
         self._thread = threading.Thread(target=self._loop, name="ultratron-batcher", daemon=True)
         self._thread.start()
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    def stats(self) -> dict:
+        """What the worker has done: engine steps, and how many of them ran each batch size."""
+        counts = list(self.rows_per_step)
+        return {"steps": self.steps_run, "rows_per_step": {str(n): c for n, c in enumerate(counts) if c},
+                "running": len(self.engine.rows), "waiting": len(self._waiting)}
 
     def submit(self, seqs: list[Sequence], done: Callable[[BaseException | None], None]) -> None:
         """Queue sequences; `done(error_or_None)` is called from the worker thread when all have
@@ -115,9 +125,10 @@ class Batcher:
                 except Exception as err:  # a prompt the engine cannot take: only its requests fail
                     self._fail({id(job): job for _, job in admit}, err)
             try:
-                if self.engine.rows:
+                if rows := len(self.engine.rows):
                     finished += self.engine.step()
                     self.steps_run += 1
+                    self.rows_per_step[rows] += 1
             except Exception as err:  # reported to each request it touched; the worker keeps serving
                 self._fail({id(job): job for job in self._job_of.values()}, err)
                 self._job_of.clear()

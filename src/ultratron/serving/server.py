@@ -215,6 +215,10 @@ def create_app(server: Server) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
+    @app.get("/stats")
+    async def stats():
+        return server.batcher.stats()
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,

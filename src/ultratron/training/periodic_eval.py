@@ -5,7 +5,9 @@ directory through the checkpoint owner (hard links to the checkpoint's files whe
 saved, so checkpoint pruning cannot pull them away), and starts `ultratron eval` on it as a child
 process at low priority. Each later step collects finished results as metric records with the
 step they belong to. If an evaluation is still running when the next one is due, the
-new one is skipped (and counted); a failing evaluator is logged and forgotten.
+new one is skipped (and counted); a failing evaluator is logged and forgotten. Each step's own
+record says which evaluation was running while it trained (`eval_running`), so the metrics show
+that the loop went on meanwhile.
 
 With `eval.endpoint` set, the child evaluates through that OpenAI-compatible endpoint instead
 (`ultratron eval --endpoint`, with flags generated from the config's endpoint settings); no
@@ -42,14 +44,16 @@ class PeriodicEvaluator:
         self.launched: list[int] = []
         self.skipped: list[int] = []
         self.failed: list[int] = []
+        self.stopped: list[int] = []  # evaluations stopped unfinished at the end of training (final_wait)
 
     @property
     def enabled(self) -> bool:
         return self.interval > 0
 
     @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+    def evaluating(self) -> int | None:
+        """The step whose evaluation's child process is alive now, else None."""
+        return self._step if self._proc is not None and self._proc.poll() is None else None
 
     def _launch(self, step: int, model, files: dict[str, str], checkpoint: Path | None) -> None:
         """Start an evaluation of `model` at `step`, unless one is still running (then it is skipped)."""
@@ -119,6 +123,7 @@ class PeriodicEvaluator:
             if self._proc.poll() is None:
                 self.log(f"eval: the evaluation of step {self._step} did not finish within {timeout:.0f} s; "
                          "stopped it")
+                self.stopped.append(self._step)
                 self.close()
                 return []
         return self.poll()

@@ -39,9 +39,13 @@ class Reporter:
             self._metrics.write(record)
 
     def rewind(self, last_step: int) -> None:
-        """Forget the metrics records after `last_step` (steps a rollback discards)."""
+        """Forget the metrics records after `last_step` (steps a rollback discards), and take the bar
+        back to it: the steps after it run again, and counting them twice would pass the total."""
         if self._metrics is not None:
             self._metrics.rewind(self._run_dir, last_step)
+        if self._bar is not None:
+            self._bar.update(last_step - self._bar.n)  # tqdm takes a negative update
+            self._bar.refresh()
 
     def event(self, kind: str, step: int, **data) -> None:
         """A run event (a saved checkpoint, ...) for the trackers that show events."""

@@ -136,6 +136,9 @@ class Trainer:
                 losses.append(record["loss"])
                 if self.validator.due(self.step, at_end=self.step == total) and (new := self._validate()) is not None:
                     val = record["val_loss"] = new
+                if (evaluating := self.periodic.evaluating) is not None:
+                    # its child was started before this step and is alive after it: it ran throughout
+                    record["eval_running"] = evaluating
                 self.log.step(record)
                 ckpt = self.checkpoints.after_step(self.step, stop_at)
                 self.health.after_step(self.step)
