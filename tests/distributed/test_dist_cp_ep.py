@@ -1,5 +1,6 @@
 """Context and expert parallelism train like one process on the same global batch, alone and with
-the other axes, and expert-parallel checkpoints resume under another ep and in one process.
+the other axes — pipeline stages and HSDP included (cp2×pp2, tp2×cp2×pp2, HSDP 2×2×cp2, HSDP 2×2
+with ep2) —, and expert-parallel checkpoints resume under another ep and in one process.
 
 Dense layouts compare with the session's one-process reference (dist_common); the mixture-of-experts
 ones with a one-process run of the same MoE (4 experts, top-2, both balancing methods on: the aux
@@ -28,12 +29,17 @@ RANKS_2 = {"cp2": CP2, "cp2-allgather": CP2 + ["--parallel.cp_attention", "allga
 EP2_DP2 = MOE + ["--parallel.dp", "4", "--parallel.ep", "2", "--parallel.zero", "3"]
 RANKS_4 = {"cp2xdp2": CP2 + ["--parallel.dp", "2", "--parallel.zero", "2"],
            "cp2xtp2": CP2 + ["--parallel.tp", "2", "--parallel.sp", "true"],
+           "cp2xpp2": CP2 + ["--parallel.pp", "2"],  # ring attention inside the stages of a pipeline
+           "hsdp2x2-ep2": MOE + ["--parallel.dp", "4", "--parallel.dp_replicate", "2", "--parallel.zero", "3",
+                                 "--parallel.ep", "2"],
            "ep2xdp2": EP2_DP2,
            "ep2xtp2": MOE + ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.tp", "2", "--parallel.sp", "true",
                              "--parallel.zero", "1"]}
 DP2_CP2_TP2 = ["--parallel.dp", "2", "--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sp", "true",
                "--parallel.zero", "3"]
-RANKS_8 = {"dp2xcp2xtp2": DP2_CP2_TP2, "dp2xcp2xtp2-ep2": MOE + DP2_CP2_TP2 + ["--parallel.ep", "2"]}
+RANKS_8 = {"dp2xcp2xtp2": DP2_CP2_TP2, "dp2xcp2xtp2-ep2": MOE + DP2_CP2_TP2 + ["--parallel.ep", "2"],
+           "tp2xcp2xpp2": CP2 + ["--parallel.tp", "2", "--parallel.sp", "true", "--parallel.pp", "2"],
+           "hsdp2x2xcp2": CP2 + ["--parallel.dp", "4", "--parallel.dp_replicate", "2", "--parallel.zero", "3"]}
 
 
 def _is_moe(args: list[str]) -> bool:

@@ -16,9 +16,6 @@ def parallel_problems(par) -> list[str]:
     elif par.dp_replicate > 1 and par.zero < 2:
         p.append(f"parallel.dp_replicate={par.dp_replicate} (HSDP) shards within each replica group, so it needs "
                  f"parallel.zero 2 or 3, got {par.zero}")
-    if par.dp_replicate > 1 and (par.cp > 1 or par.ep > 1):
-        p.append(f"parallel.dp_replicate={par.dp_replicate} (HSDP) with parallel.cp/ep > 1 is not built: use "
-                 "parallel.dp_replicate 1 (FSDP over all data-parallel ranks) with context or expert parallel")
     if par.sp and par.tp == 1:
         p.append("parallel.sp=true needs parallel.tp > 1 (sequence parallel splits the norm regions over the "
                  "tensor-parallel ranks)")

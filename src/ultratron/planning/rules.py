@@ -136,9 +136,6 @@ def layout_problems(shape, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
     if cp > 1 and seq is not None and seq % (2 * cp):
         p.append(f"{name('parallel.cp')}={cp} does not divide the sequence length {seq} into 2·cp = {2 * cp} equal "
                  "chunks (the causal balance gives each context-parallel rank two of them)")
-    if cp > 1 and pp > 1:
-        p.append(f"{name('parallel.cp')}={cp} with {name('parallel.pp')}={pp}: context parallelism does not run "
-                 "inside pipeline stages in this build; use one of them")
     if cp > 1 and field_of(shape, "attn_softcap") > 0:
         p.append(f"{name('parallel.cp')}={cp} needs fused attention, which has no soft-cap: set "
                  f"{name('model.attn_softcap')} 0")
