@@ -106,3 +106,43 @@ def test_accumulated_micro_batches_make_the_same_step_as_one_batch(base, whole, 
         bound += 2 * (2 * u * whole["weights"][name].abs() + 4 * u * lr)  # each run's rounding of the update
         moved = (acc["weights"][name] - whole["weights"][name]).abs()
         assert bool((moved <= bound).all()), f"{name}: weights differ by up to {float(moved.max()):.3g} after AdamW"
+
+
+MOE = ["--model.n_experts", "4", "--model.n_active_experts", "2", "--model.expert_ffn_dim", "64",
+       "--training.micro_batch_size", "2"]
+
+
+def _moe_gradients(base: list[str], batch_tokens: int, run_dir) -> tuple[int, dict]:
+    """One MoE trainer step whose every micro-batch is the loader's first one: its micro-batch count and
+    gradients."""
+    trainer = Trainer(load_config(None, base + MOE + ["--training.batch_tokens", str(batch_tokens),
+                                                      "--run.dir", str(run_dir)]), echo=False)
+    first = trainer.train_loader.next_batch()
+    seen = {}
+    forward_backward = trainer.strategy.forward_backward
+
+    def capturing(next_batch, n_micro_batches):
+        loss = forward_backward(lambda: first, n_micro_batches)
+        seen["n"] = n_micro_batches
+        seen["grads"] = {name: p.grad.detach().clone() for name, p in trainer.model.named_parameters()
+                         if p.grad is not None}
+        return loss
+
+    trainer.strategy.forward_backward = capturing
+    trainer.train_step()
+    return seen["n"], seen["grads"]
+
+
+def test_the_moe_balancing_loss_takes_a_micro_batchs_share_of_the_step(base, tmp_path):
+    """Four copies of one micro-batch make the step one copy makes: the cross-entropy is divided by
+    the micro-batch count, and so must the balancing loss be, whose gradient the router injects in
+    backward itself (`loss_weight`); counted whole per micro-batch, the routers' gradients would
+    carry four times their balancing share."""
+    n, repeated = _moe_gradients(base, 4 * 2 * 64, tmp_path / "four")
+    one, once = _moe_gradients(base, 2 * 64, tmp_path / "one")
+    assert (n, one) == (4, 1)
+    routers = [name for name in once if "router" in name]
+    assert once.keys() == repeated.keys() and routers and all(float(once[name].abs().max()) > 0 for name in routers)
+    for name, expected in once.items():
+        gap = float((repeated[name] - expected).abs().max())
+        assert gap <= TOL * float(expected.abs().max()), f"{name}: differs by {gap:.3g}"

@@ -32,3 +32,29 @@ def test_warmup_stable_decay():
 
 def test_constant_after_warmup():
     assert lr_at(500, 1000, optim(schedule="constant")) == 1.0
+
+
+def test_weight_decay_shrinks_the_matrices_and_leaves_the_norm_gains():
+    """AdamW's groups: decay on every matrix (embeddings included), none on the 1-D norm gains. With
+    zero gradients Adam's update is 0/ε = 0, so one step is the decay alone: w·(1 − lr·wd) exactly."""
+    import torch
+
+    from ultratron.config import ModelConfig
+    from ultratron.models.llama import build_model
+    from ultratron.training.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(preset=None, n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                    vocab_size=64, max_seq_len=16, tie_embeddings=False, rope_theta=10_000.0))
+    from ultratron.config.training import OptimConfig
+
+    optimizer = build_optimizer(model, OptimConfig(lr=0.5, weight_decay=0.1))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    shapes = {name: p.dim() for name, p in model.named_parameters()}
+    assert sorted(set(shapes.values())) == [1, 2]  # both kinds are there
+    for name, p in model.named_parameters():
+        expected = before[name] * (1 - 0.5 * 0.1) if p.dim() >= 2 else before[name]
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-7, msg=name)

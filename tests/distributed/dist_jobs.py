@@ -171,3 +171,37 @@ def train_joining_the_group_itself(base: list[str], out_dir: str) -> None:
     result = train(load_config(None, base + ["--parallel.dp", "2", "--run.dir", f"{out_dir}/run"]), echo=False)
     Path(out_dir, f"rank{os.environ['RANK']}.json").write_text(json.dumps(
         {"steps": result.steps_done, "group_after": dist.is_initialized()}))
+
+
+def grad_norms(base: list[str], layouts: list[list[str]], out_dir: str) -> None:
+    """For each layout, after one step's forward and backward: the global gradient norm the trainer
+    clips by, and the norm of every parameter's whole gradient (DTensors gathered, each parameter
+    once, tied copies left out, in float64), written to out_dir/rank<r>.json."""
+    import json
+    import math
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from ultratron.config import load_config
+    from ultratron.training.trainer import Trainer
+
+    results = []
+    for i, flags in enumerate(layouts):
+        trainer = Trainer(load_config(None, base + flags + ["--run.dir", f"{out_dir}/layout{i}"]), echo=False)
+        trainer.strategy.forward_backward(trainer.train_loader.next_batch, trainer.cfg.grad_accum_steps)
+        uncounted = {id(p) for axis in trainer.axes for p in axis.uncounted()}
+        whole = 0.0
+        for param in {id(p): p for p in trainer.model.parameters()}.values():
+            if param.grad is None or id(param) in uncounted:
+                continue
+            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            whole += float(grad.double().pow(2).sum())
+        if trainer.dims.pp > 1:  # each pipeline rank holds other layers
+            total = torch.tensor(whole, dtype=torch.float64)
+            dist.all_reduce(total, group=trainer.dims.pp_group)
+            whole = float(total)
+        results.append({"clipped_by": float(trainer.axes.clip_grad_norm(math.inf)), "whole": math.sqrt(whole)})
+    Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
