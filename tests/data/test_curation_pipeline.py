@@ -191,3 +191,26 @@ def test_single_stage_cli_with_overrides_and_config_errors(tmp_path, capsys):
     assert len(err) == 2 and err[0].startswith("error: pipeline.stages: 'dedup' is not one of read, normalize, ")
     assert err[0].endswith("(did you mean 'near-dedup'?)")
     assert err[1] == "error: pipeline.workers = -1 must be ≥ 0 (0: one per CPU core)"
+
+
+def test_a_rerun_removes_every_temporary_file_a_kill_left(tmp_path):
+    """A kill between writing `NAME.tmpPID` and renaming it leaves the part behind anywhere the
+    pipeline writes: its own files at the top of the output and finished stages' directories too.
+    The next run removes them all and changes nothing else."""
+    make_corpus(tmp_path / "src")
+    cfg = from_dict(config(tmp_path / "src", tmp_path / "out"))
+    run_pipeline(cfg, log=lambda _: None)
+    out = tmp_path / "out"
+    before = final_outputs(out)
+    planted = [out / "report.json.tmp4242", out / "decisions.jsonl.tmp4242", out / "config.json.tmp77",
+               out / "02-exact-dedup" / "part-00000.jsonl.tmp4242", out / "07-shard" / "train" / "meta.json.tmp",
+               out / "03-near-dedup" / "_index" / "part-00000.tmp.npy"]
+    for path in planted:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("half written\n")
+    lines = []
+    run_pipeline(cfg, log=lines.append)
+    assert [p for p in planted if p.exists()] == []
+    assert [p for p in out.rglob("*") if ".tmp" in p.name] == []
+    assert any("removed 6 half-written file(s)" in line for line in lines), lines
+    assert final_outputs(out) == before

@@ -78,6 +78,11 @@ def run_pipeline(cfg: DataPipelineConfig, log: Callable[[str], None] = print) ->
     """Every configured stage in order, resuming finished work; writes the report and decision log."""
     out = Path(cfg.pipeline.output)
     out.mkdir(parents=True, exist_ok=True)
+    # What a kill left anywhere under the output: the stages clean their own directories, but the
+    # pipeline's own files (config.json, report.json, decisions.jsonl) and a finished stage's
+    # directory are never revisited by a stage.
+    if removed := remove_temp_files(out):
+        log(f"data: removed {len(removed)} half-written file(s) an interrupted run left (e.g. {removed[0].name})")
     write_json(out / "config.json", to_dict(cfg))
     executor = make_executor(cfg)
     summaries = []
