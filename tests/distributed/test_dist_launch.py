@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from dist_common import STEPS, TINY, assert_equivalent, dist_base_fixture, references_fixture  # noqa: F401
 
@@ -71,15 +72,18 @@ def test_train_leaves_the_process_group_it_joined(dist_base, tmp_path):
 def test_launch_dry_run_and_slurm_script(tmp_path, capsys):
     assert main(["launch", "--nproc-per-node", "4", "--dry-run", "--", "--parallel.tp", "2"]) == 0
     printed = capsys.readouterr().out.split()
+    endpoint = printed[7].removeprefix("--rdzv-endpoint=")  # a free loopback port, not a fixed one
+    assert endpoint.startswith("127.0.0.1:") and int(endpoint.split(":")[1]) > 0
     assert printed[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=4", "--nnodes=1", "--max-restarts=0",
-                           "--standalone", "-m", "ultratron", "train", "--parallel.tp", "2"]
+                           "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=ultratron", "-m",
+                           "ultratron", "train", "--parallel.tp", "2"]
     script, config = tmp_path / "job.sbatch", tmp_path / "run.toml"
     config.write_text(f'[run]\ndir = "{tmp_path / "myrun"}"\n')
     assert main(["launch", "--nproc-per-node", "8", "--nnodes", "2", "--slurm", str(script), "--",
                  "--config", str(config)]) == 0
     text = script.read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --requeue" in text
-    assert "--rdzv-endpoint=$HEAD_NODE:$PORT" in text and "--nnodes=2" in text
+    assert "--rdzv-endpoint=$HEAD_NODE:$PORT" in text and "--nnodes=2" in text and "29500" not in text
     assert f"-m ultratron train --config {config} --checkpoint.resume auto\nrc=$?" in text
     assert f"RUN_DIR={tmp_path / 'myrun'}" in text
     assert main(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--dry-run"]) == 2  # needs an endpoint
@@ -113,7 +117,9 @@ def test_the_slurm_script_excludes_failing_nodes_when_it_resubmits(tmp_path):
         return subprocess.run(["bash", str(script)], env=full, capture_output=True, text=True).returncode
 
     assert job() == 0
-    assert calls.read_text().startswith("train --kill-on-bad-exit=1 ")  # healthy: trains, no resubmission
+    assert calls.read_text().startswith("train --kill-on-bad-exit=1 ")
+    port = calls.read_text().split("--rdzv-endpoint=node1:")[1].split()[0]  # a free port of the head node
+    assert port.isdigit() and port != "29500"  # healthy: trains, no resubmission
     assert job(FAKE_BAD="node2") == 1  # the pre-check fails node2: no training, resubmitted without it
     assert calls.read_text() == f"sbatch --exclude=node2 {script.resolve()}\n"
     # training fails and the trainer's health monitor named node1: resubmitted without both
@@ -121,3 +127,23 @@ def test_the_slurm_script_excludes_failing_nodes_when_it_resubmits(tmp_path):
     lines = calls.read_text().splitlines()
     assert lines[0].startswith("train ") and lines[1] == f"sbatch --exclude=node1,node2 {script.resolve()}"
     assert job(FAKE_RC="3") == 3  # a failure with no unhealthy node: Slurm's requeue / torchrun decide
+
+
+def test_two_launches_on_one_machine_at_once_both_finish(dist_base, tmp_path):
+    """Each takes a free port for its rendezvous (torch's default 29500 would be taken by the first)."""
+    from ultratron.config import load_config
+    from ultratron.data.prepare import prepare_data
+
+    cfg = load_config(None, dist_base)  # the shared data cache is written once, before both read it
+    prepare_data(cfg.data, cfg.model.vocab_size, Path(cfg.data.cache_dir), log=lambda _: None)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    jobs = [subprocess.Popen([sys.executable, "-m", "ultratron", "launch", "--nproc-per-node", "2", "--", *dist_base,
+                              "--parallel.dp", "2", "--training.steps", "2", "--eval.interval", "0",
+                              "--training.sample_tokens", "0", "--run.dir", str(tmp_path / f"run{i}")],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]
+    outs = [job.communicate(timeout=300)[0] for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], "\n=====\n".join(out[-6000:] for out in outs)
+    ports = [out.split("launch: rendezvous on 127.0.0.1:")[1].split()[0] for out in outs]
+    assert ports[0] != ports[1], ports
+    for i in range(2):
+        assert "checkpoint: saved step 2" in (tmp_path / f"run{i}" / "train.log").read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,9 +10,11 @@ import torch
 
 from ultratron.checkpoint.manager import read_checkpoint
 from ultratron.checkpoint.state import ModelState
-from ultratron.checkpoint.store import resolve_checkpoint_dir, step_of
+from ultratron.checkpoint.storage import Location, Storage, is_url
+from ultratron.checkpoint.store import LATEST, CheckpointRoot, resolve_checkpoint_dir, step_of
 from ultratron.config import Config, load_config
 from ultratron.data.tokenizer import Tokenizer
+from ultratron.errors import CheckpointError
 from ultratron.models.llama import build_model
 
 
@@ -20,17 +23,54 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: Tokenizer
     config: Config
-    checkpoint_dir: Path
+    checkpoint_dir: Location
     step: int | None
 
 
-def load_for_inference(checkpoint: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
+def load_for_inference(checkpoint: str | Path, device: str | torch.device = "cpu",
+                       endpoint: str | None = None) -> LoadedModel:
     """The model (eval mode, fp32, no gradients) and tokenizer of a checkpoint, run or checkpoints
-    directory, whatever layout wrote it."""
+    directory, whatever layout wrote it; on local disk or at a URL as training writes them
+    (`s3://bucket/prefix`, with `endpoint` for an S3-compatible server; else AWS_ENDPOINT_URL or AWS)."""
+    if is_url(checkpoint):
+        return _load_remote(str(checkpoint), device, endpoint)
     ckpt_dir = resolve_checkpoint_dir(checkpoint)
     cfg = load_config(ckpt_dir / "config.toml")
-    model = build_model(cfg.model, device)
+    model = _model(cfg, device)
     read_checkpoint(ckpt_dir, ModelState(model))
-    model.eval().requires_grad_(False)
     tokenizer = Tokenizer.load(ckpt_dir / "tokenizer.json")
     return LoadedModel(model, tokenizer, cfg, ckpt_dir, step_of(ckpt_dir))
+
+
+def _model(cfg: Config, device) -> torch.nn.Module:
+    return build_model(cfg.model, device).eval().requires_grad_(False)
+
+
+def remote_checkpoint(url: str, endpoint: str | None = None) -> tuple[CheckpointRoot, str]:
+    """The checkpoints root and the checkpoint a URL means: a checkpoint itself, `.../latest`, or a
+    checkpoints or run directory whose latest checkpoint is meant (the same rules as on disk)."""
+    url = url.rstrip("/")
+    parent = url.rsplit("/", 1)[0]
+    if CheckpointRoot(Storage(parent, endpoint)).is_complete(url):
+        return CheckpointRoot(Storage(parent, endpoint)), url
+    candidates = [url, f"{url}/checkpoints"] + ([parent] if url.endswith(f"/{LATEST}") else [])
+    for root_url in candidates:
+        root = CheckpointRoot(Storage(root_url, endpoint))
+        if (found := root.latest()) is not None:
+            return root, str(found)
+    raise CheckpointError(f"{url}: no complete checkpoint there (nor a run or checkpoints directory holding one)")
+
+
+def _load_remote(url: str, device, endpoint: str | None) -> LoadedModel:
+    root, ckpt = remote_checkpoint(url, endpoint)
+    storage = root.storage
+    with tempfile.TemporaryDirectory(prefix="ultratron-ckpt-") as tmp:
+        # the config loader and the tokenizer read files: their small files come down first
+        for name in ("config.toml", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if name.endswith((".toml", "tokenizer.json")) or storage.is_file(storage.join(ckpt, name)):
+                Path(tmp, name).write_bytes(storage.read_bytes(storage.join(ckpt, name)))
+        cfg = load_config(Path(tmp, "config.toml"))
+        tokenizer = Tokenizer.load(Path(tmp, "tokenizer.json"))
+    model = _model(cfg, device)
+    read_checkpoint(ckpt, ModelState(model), storage=storage)  # the manifest is verified first, as on disk
+    return LoadedModel(model, tokenizer, cfg, ckpt, root.step_of(ckpt))

@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     if s.threads > 0:
         torch.set_num_threads(s.threads)
     tasks = resolve_tasks(s.tasks)
-    backend = LocalBackend.from_checkpoint(s.checkpoint, s.device) if s.checkpoint else EndpointBackend.from_config(s)
+    backend = LocalBackend.from_checkpoint(s.checkpoint, s.device, s.checkpoint_endpoint) if s.checkpoint \
+        else EndpointBackend.from_config(s)
     results = evaluate(backend, tasks, s.max_examples or None, details=s.details)
     record = {"backend": backend.describe(), "step": s.step if s.step is not None else getattr(backend, "step", None),
               "tasks": results, "metrics": flat_metrics(results)}

@@ -4,9 +4,10 @@
   ultratron launch --nproc-per-node 8 --nnodes 4 --slurm job.sbatch -- --config run.toml
 
 Everything after `--` (or any --section.field flag) goes to `ultratron train`. One node: runs
-`torchrun --standalone`. Several nodes: every node runs the same torchrun with a c10d rendezvous
-at --rdzv-endpoint; with --slurm, the script finds the first node of the allocation itself and
-`srun` starts one torchrun per node. --dry-run prints the command instead of running it.
+torchrun with its rendezvous on a free port (printed; --rdzv-endpoint picks one). Several nodes:
+every node runs the same torchrun with a c10d rendezvous at --rdzv-endpoint; with --slurm, the
+script finds the first node of the allocation and a free port on it, and `srun` starts one
+torchrun per node. --dry-run prints the command instead of running it.
 
 --max-restarts N restarts the whole group after any rank dies (up to N times), and each restart
 resumes from the newest verified checkpoint (--checkpoint.resume auto is added unless given).
@@ -21,7 +22,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from ultratron.launch.torchrun import slurm_script, torchrun_command
+from ultratron.launch.torchrun import local_endpoint, slurm_script, torchrun_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,8 +69,10 @@ def run(args) -> int:
         path.chmod(0o755)
         print(f"wrote {path}; submit it with: sbatch {path}")
         return 0
-    cmd = torchrun_command(args.nproc_per_node, args.nnodes, train_args, args.rdzv_endpoint, args.max_restarts)
+    endpoint = args.rdzv_endpoint or (local_endpoint() if args.nnodes == 1 else None)
+    cmd = torchrun_command(args.nproc_per_node, args.nnodes, train_args, endpoint, args.max_restarts)
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
+    print(f"launch: rendezvous on {endpoint}" + ("" if args.rdzv_endpoint else " (a free port)"), flush=True)
     return subprocess.call(cmd)

@@ -1,8 +1,9 @@
 """Serve a checkpoint behind an OpenAI-compatible HTTP API (FastAPI + uvicorn).
 
-  ultratron serve --checkpoint RUN/checkpoints/latest --port 8000 [--api-key KEY]
+  ultratron serve --checkpoint RUN/checkpoints/latest [--port 8000] [--api-key KEY]
 
-Clients written for OpenAI's API work unchanged: point them at http://HOST:PORT/v1.
+Clients written for OpenAI's API work unchanged: point them at http://HOST:PORT/v1. Without --port
+the server takes a free port and prints it, so two servers on one machine both start.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ultratron.checkpoint.inference import load_for_inference
     from ultratron.errors import ConfigError
-    from ultratron.serving.server import Server, ServerLimits, serve
+    from ultratron.serving.server import Server, ServerLimits, listen, serve
 
     s: ServeSettings = from_arguments(ServeSettings, args)
     problems = [f"--{name.replace('_', '-')} must be positive, got {getattr(s, name)}"
@@ -33,13 +34,15 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(problems)
     if s.threads > 0:
         torch.set_num_threads(s.threads)
-    loaded = load_for_inference(s.checkpoint, s.device)
+    loaded = load_for_inference(s.checkpoint, s.device, s.checkpoint_endpoint)
     limits = ServerLimits(max_body_bytes=s.max_body_bytes, max_batch_rows=s.max_batch, max_queue=s.max_queue,
                           continuous=s.batching == "continuous", max_model_len=s.max_model_len)
     server = Server(loaded.model, loaded.tokenizer, s.model_name, s.api_key or os.environ.get("ULTRATRON_API_KEY"),
                     limits)
-    print(f"serving {loaded.checkpoint_dir} as {s.model_name!r} on http://{s.host}:{s.port}/v1 ({s.batching} "
+    sock = listen(s.host, s.port)  # before the line below, which names the port really served
+    port = sock.getsockname()[1]
+    print(f"serving {loaded.checkpoint_dir} as {s.model_name!r} on http://{s.host}:{port}/v1 ({s.batching} "
           f"batching, {s.max_batch} KV-cache slots × {server.context} positions = "
           f"{server.batcher.kv_bytes / 2**20:.0f} MiB)", flush=True)
-    serve(server, s.host, s.port)
+    serve(server, sock)
     return 0

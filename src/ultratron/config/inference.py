@@ -11,7 +11,10 @@ from ultratron.config.training import EndpointConfig
 
 @dataclass
 class EvalSettings(EndpointConfig):
-    checkpoint: str | None = option(None, "a checkpoint, checkpoints or run directory (local backend)")
+    checkpoint: str | None = option(None, "a checkpoint, checkpoints or run directory (local backend); local or "
+                                          "a URL such as s3://bucket/prefix")
+    checkpoint_endpoint: str | None = option(None, "endpoint URL of the S3-compatible store an s3:// --checkpoint "
+                                                   "is in (default: $AWS_ENDPOINT_URL, else AWS)")
     tasks: str = option("builtin", "comma-separated: builtin, task names, task files")
     max_examples: int = option(100, "examples per task (0: all)")
     json: str | None = option(None, "write results here as JSON")
@@ -24,9 +27,11 @@ class EvalSettings(EndpointConfig):
 
 @dataclass
 class ServeSettings:
-    checkpoint: str = option(help="a checkpoint, checkpoints or run directory")
+    checkpoint: str = option(help="a checkpoint, checkpoints or run directory; local or a URL such as s3://bucket/prefix")
+    checkpoint_endpoint: str | None = option(None, "endpoint URL of the S3-compatible store an s3:// --checkpoint is "
+                                                   "in (default: $AWS_ENDPOINT_URL, else AWS)")
     host: str = option("127.0.0.1", "address to bind")
-    port: int = option(8000, "port to listen on")
+    port: int = option(0, "port to listen on; 0: a free port, printed at the start")
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (default: $ULTRATRON_API_KEY; none: open)")
     model_name: str = option("ultratron", "the model id clients pass")
     device: str = option("cpu", "device to run the model on")

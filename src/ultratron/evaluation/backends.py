@@ -52,8 +52,8 @@ class LocalBackend:
         self.device = next(model.parameters()).device
 
     @classmethod
-    def from_checkpoint(cls, checkpoint, device: str = "cpu") -> LocalBackend:
-        loaded = load_for_inference(checkpoint, device)
+    def from_checkpoint(cls, checkpoint, device: str = "cpu", endpoint: str | None = None) -> LocalBackend:
+        loaded = load_for_inference(checkpoint, device, endpoint)
         backend = cls(loaded.model, loaded.tokenizer)
         backend.step = loaded.step
         return backend

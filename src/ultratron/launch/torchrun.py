@@ -1,8 +1,9 @@
 """The torchrun command line for `ultratron train` on many processes, and a Slurm batch script for it.
 
-One node: `torchrun --standalone`. Several nodes: every node runs the same torchrun with a c10d
-rendezvous at the given endpoint; the Slurm script finds the first node of the allocation
-itself and `srun` starts one torchrun per node.
+One node: torchrun with its rendezvous on a free loopback port, picked here so that it can be
+printed and two jobs on one machine never share one (not torch's 29500). Several nodes: every
+node runs the same torchrun with a c10d rendezvous at the given endpoint; the Slurm script finds
+the first node of the allocation and a free port on it, and `srun` starts one torchrun per node.
 
 Surviving failures: torchrun's `--max-restarts` restarts the whole group after any rank dies
 (training resumes from the newest verified checkpoint). The Slurm script asks to be requeued
@@ -17,23 +18,26 @@ import shlex
 import sys
 
 from ultratron.errors import UserError
+from ultratron.launch.local import free_port
 
-DEFAULT_PORT = 29500
+
+def local_endpoint() -> str:
+    """A rendezvous endpoint on this machine, on a port free now."""
+    return f"127.0.0.1:{free_port()}"
 
 
 def torchrun_command(nproc_per_node: int, nnodes: int, train_args: list[str], rdzv_endpoint: str | None = None,
-                     max_restarts: int = 0, python: str = sys.executable) -> list[str]:
+                     max_restarts: int = 0, python: str = sys.executable, module: str = "ultratron",
+                     rdzv_id: str = "ultratron") -> list[str]:
+    """One node without an endpoint: the caller picks one (`local_endpoint`)."""
     if nproc_per_node < 1 or nnodes < 1:
         raise UserError(f"--nproc-per-node and --nnodes must be ≥ 1, got {nproc_per_node} and {nnodes}")
+    if rdzv_endpoint is None:
+        raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (or --slurm, which finds it)")
     cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}",
-           f"--max-restarts={max_restarts}"]
-    if nnodes == 1 and rdzv_endpoint is None:
-        cmd.append("--standalone")
-    else:
-        if rdzv_endpoint is None:
-            raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (or --slurm, which finds it)")
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-id=ultratron"]
-    return cmd + ["-m", "ultratron", "train", *train_args]
+           f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+           f"--rdzv-id={rdzv_id}"]
+    return cmd + ["-m", module, "train", *train_args]
 
 
 UNHEALTHY_FILE = "unhealthy-nodes.txt"  # the trainer's health monitor writes the same name
@@ -58,7 +62,9 @@ def slurm_script(nproc_per_node: int, nnodes: int, train_args: list[str], *, job
         lines.append(f"#SBATCH --partition={partition}")
     lines += ["set -uo pipefail",
               'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-              f"PORT={DEFAULT_PORT}",
+              "# a port free on this (the first) node now, not a fixed one two jobs on a node would share",
+              """PORT=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')""",
+              'echo "launch: rendezvous on $HEAD_NODE:$PORT"',
               f"RUN_DIR={shlex.quote(run_dir)}",
               f'UNHEALTHY="$RUN_DIR/{UNHEALTHY_FILE}"',
               'mkdir -p "$RUN_DIR"',

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ultratron.errors import ConfigError
 from ultratron.inference.engine import SamplingParams, Sequence, TokenInfo
 from ultratron.serving.batcher import Batcher, QueueFull
 from ultratron.serving.chat import TemplateError, chat_prompt, chat_stops
@@ -373,7 +375,24 @@ async def _events(seqs, events: asyncio.Queue, rid: str, created: int, model: st
         return
 
 
-def serve(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
+def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A listening socket on `port`, or on a free port the system picks when it is 0 (so two servers
+    on one machine never collide; read it back with `sock.getsockname()[1]`). Bound here, before
+    the server starts, so the port printed is the one served, with no window for another process."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({err.strerror}); pick another --port, or leave it out "
+                          "for a free one") from None
+    sock.listen(2048)
+    return sock
+
+
+def serve(server: Server, sock: socket.socket, log_level: str = "warning") -> None:
     import uvicorn
 
-    uvicorn.run(create_app(server), host=host, port=port, log_level=log_level)
+    uvicorn.Server(uvicorn.Config(create_app(server), log_level=log_level)).run(sockets=[sock])
