@@ -12,8 +12,8 @@ import urllib.request
 import uuid
 
 import pytest
-from test_checkpoint_s3 import BUCKET, s3  # noqa: F401 (the loopback S3 server fixture)
 
+from test_checkpoint_s3 import BUCKET, s3  # noqa: F401 (the loopback S3 server fixture)
 from ultratron.checkpoint.inference import load_for_inference
 from ultratron.cli import main
 from ultratron.config import load_config

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("ultratron.cli.bench", "sweep parallel layouts × models: measured tokens/s, MFU, memory vs the planner"),
     "data": ("ultratron.cli.data", "data curation pipeline: read, dedup, filter, tokenize, shard"),
     "launch": ("ultratron.cli.launch", "ultratron train on N processes via torchrun, or a Slurm script"),
+    "doctor": ("ultratron.cli.doctor", "why a distributed run failed or hung: the rank and collective it waited on"),
     "health": ("ultratron.cli.health", "check this node's GPUs (NVML) and time a matmul; exit 1 if a GPU fails"),
     "eval": ("ultratron.cli.eval", "evaluate a checkpoint or an OpenAI-compatible endpoint on task suites"),
     "serve": ("ultratron.cli.serve", "serve a checkpoint behind an OpenAI-compatible HTTP API"),

@@ -111,6 +111,9 @@ class ParallelConfig:
                                choices=("ring", "allgather"))
     ep: int = option(1, "expert-parallel degree: a mixture of experts' routed experts split over ep of the "
                         "data-parallel ranks (ep divides dp), tokens exchanged by all-to-all")
+    collective_timeout: float = option(300.0, "seconds a collective waits for every rank; then each rank writes its "
+                                              "flight record to RUN_DIR/flight and the job stops (ultratron doctor "
+                                              "RUN_DIR names the rank it waited on). PyTorch's own default is 30 min")
 
 
 @dataclass
@@ -324,7 +327,8 @@ def _positive(cfg: Config) -> list[str]:
     fields = {f"model.{n}": getattr(m, n) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim",
                                                       "vocab_size", "max_seq_len")}
     fields |= {f"training.{n}": getattr(t, n) for n in ("steps", "batch_tokens", "micro_batch_size", "seq_len")}
-    fields |= {f"parallel.{n}": getattr(par, n) for n in ("dp", "dp_replicate", "tp", "pp", "cp", "ep")}
+    fields |= {f"parallel.{n}": getattr(par, n) for n in ("dp", "dp_replicate", "tp", "pp", "cp", "ep",
+                                                           "collective_timeout")}
     return [f"{name} must be positive, got {value}" for name, value in fields.items()
             if value is not None and value <= 0]
 

@@ -17,6 +17,7 @@ the layout's product.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -25,7 +26,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from ultratron.errors import ConfigError
+from ultratron.errors import ConfigError, UserError
+from ultratron.parallel import faults
 from ultratron.planning.rules import data_parallel_wrapper
 
 T = TypeVar("T")
@@ -46,9 +48,12 @@ class ParallelDims:
     local_rank: int = 0
     restart_count: int = 0  # torchrun's restarts of the whole group so far (TORCHELASTIC_RESTART_COUNT)
     agent_store: tuple[str, int] | None = None  # torchrun's own TCPStore (MASTER_ADDR, MASTER_PORT), if used
+    timeout: float = 300.0  # seconds a collective waits (parallel.collective_timeout)
+    started: float = 0.0  # when this process joined the group (time.time())
     mesh: object = field(default=None, repr=False, compare=False)  # a DeviceMesh once built
     flat: dict = field(default_factory=dict, repr=False, compare=False)  # flattened meshes by name
     owns_process_group: bool = field(default=False, repr=False, compare=False)  # init_distributed created it
+    signals: faults.SignalWatch | None = field(default=None, repr=False, compare=False)  # dumps on SIGTERM
 
     @classmethod
     def from_config(cls, parallel_cfg) -> ParallelDims:
@@ -58,7 +63,8 @@ class ParallelDims:
         agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in env
         dims = cls(dp=parallel_cfg.dp, tp=parallel_cfg.tp, pp=parallel_cfg.pp, cp=parallel_cfg.cp,
                    ep=parallel_cfg.ep, dp_replicate=parallel_cfg.dp_replicate, zero=parallel_cfg.zero,
-                   sp=parallel_cfg.sp, world_size=int(env.get("WORLD_SIZE", "1")),
+                   sp=parallel_cfg.sp, timeout=parallel_cfg.collective_timeout,
+                   world_size=int(env.get("WORLD_SIZE", "1")),
                    rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
                    restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
                    agent_store=(env["MASTER_ADDR"], int(env.get("MASTER_PORT", "29500"))) if agent else None)
@@ -147,19 +153,54 @@ class ParallelDims:
         if device.type == "cuda":
             device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(device)
+        self.started = time.time()  # failure reports older than this are an earlier attempt's
         if not dist.is_initialized():
+            faults.enable_flight_recorder()
             dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=self._store(),
-                                    rank=self.rank, world_size=self.world_size)
+                                    rank=self.rank, world_size=self.world_size,
+                                    timeout=timedelta(seconds=self.timeout))
             self.owns_process_group = True
         self.build_mesh(device.type)
         return device
 
+    def watch(self, run_dir) -> None:
+        """From now on SIGTERM writes this rank's flight record to RUN_DIR/flight (parallel/faults.py)."""
+        if self.distributed and self.signals is None:
+            self.signals = faults.SignalWatch(run_dir, self.rank, self.world_size).start()
+
     def leave(self) -> None:
         """After a run that succeeded on every rank: leave the process group if this object created
         it (a group the caller made, e.g. `launch.local`'s, stays). See `leave_process_group`."""
+        self._unwatch()
         if self.owns_process_group and dist.is_initialized():
             leave_process_group()
             self.owns_process_group = False
+
+    def fail(self, err: BaseException, run_dir) -> None:
+        """After training failed on this rank: its own error is reported to the other ranks, its flight
+        record written, its process groups destroyed (if it made them). A collective that broke
+        because of another rank becomes one error line naming that rank (raised from here)."""
+        if not (self.distributed and dist.is_initialized()):
+            return
+        broken = faults.is_collective_error(err)
+        if not broken:
+            faults.report_failure(self.rank, err)  # first: the others look for it as soon as theirs break
+        if broken or not isinstance(err, UserError):  # a user error every rank decided alike is no hang
+            faults.dump(run_dir, self.rank, self.world_size, reason=f"{type(err).__name__}: {err}"[:500],
+                        own_error=not broken)
+        error = faults.failure_error(err, self.rank, self.world_size, self.timeout, run_dir,
+                                     since=self.started) if broken else None
+        self._unwatch()
+        if self.owns_process_group:
+            faults.leave_after_failure()
+            self.owns_process_group = False
+        if error is not None:
+            raise error from None
+
+    def _unwatch(self) -> None:
+        if self.signals is not None:
+            self.signals.close()
+            self.signals = None
 
     def _store(self):
         """Under torchrun, a client of the agent's store with keys of this attempt only. torchrun
@@ -179,13 +220,25 @@ class ParallelDims:
         dims = (("pp", self.pp), ("dp_replicate", self.dp_replicate), *shard, ("cp", self.cp), ("tp", self.tp))
         kept = [(n, s) for n, s in dims if s > 1] or [("dp_shard", 1)]
         self.mesh = init_device_mesh(device_type, tuple(s for _, s in kept), mesh_dim_names=tuple(n for n, _ in kept))
+        self._set_timeouts()
         self.flat = {}
         present = lambda *names: tuple(n for n in names if n in self.mesh.mesh_dim_names)  # noqa: E731
         if self.ep > 1 and present("edp", "ep"):
             self.flat["dp_shard"] = self.mesh[present("edp", "ep")]._flatten("dp_shard")
         if self.cp > 1:
             self.flat["dp_shard_cp"] = self.mesh[present("edp", "ep", "dp_shard", "cp")]._flatten("dp_shard_cp")
+            self._set_timeouts()
         return self.mesh
+
+    def _set_timeouts(self) -> None:
+        """The mesh's groups take torch's default timeout (30 min), not the world's: set ours on each."""
+        from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+
+        for group in list(_world.pg_map):
+            try:
+                _set_pg_timeout(timedelta(seconds=self.timeout), group)
+            except (ValueError, RuntimeError):  # a group this rank is not in
+                pass
 
     def submesh(self, *names: str):
         """The mesh over the named dimensions that exist (size > 1), or None if none does. A single

@@ -74,6 +74,7 @@ class Trainer:
         if t.threads > 0:
             torch.set_num_threads(t.threads)
         self.device = self.dims.init_distributed(pick_device(t.device))
+        self.dims.watch(self.run_dir)  # SIGTERM writes this rank's last collectives to RUN_DIR/flight
         self.health = HealthMonitor(cfg, self.dims, self.device, self.run_dir, self.log)
         self.health.before_start(step=0)  # a failing GPU stops the run before any data is read
         torch.manual_seed(t.seed)
@@ -233,9 +234,14 @@ class Trainer:
 
 def train(cfg: Config, echo: bool = True) -> TrainResult:
     """Build a trainer and run it; after a run that ended normally, leave the process group it
-    joined. After a failure the group is left alone: another rank may be stuck in a collective, and
-    tearing down would wait on it (the process exits non-zero all the same)."""
+    joined. After a failure the rank reports it, writes its flight record and destroys its groups
+    without waiting on the others (`ParallelDims.fail`): a rank whose collective broke stops with
+    one line naming the rank that failed."""
     trainer = Trainer(cfg, echo=echo)
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except BaseException as err:
+        trainer.dims.fail(err, trainer.run_dir)  # reports, dumps, leaves; a broken collective names the rank
+        raise
     trainer.dims.leave()
     return result
