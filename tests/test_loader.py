@@ -73,3 +73,39 @@ def test_unfinished_shard_directory_is_refused(tmp_path):
     (tmp_path / "half" / "shard_00000.bin").write_bytes(b"\0" * 10)
     with pytest.raises(DataError, match="not a finished shard directory"):
         ShardSet.open(tmp_path / "half")
+
+
+def _steps(ranks: list[TokenLoader], n_steps: int, per_step: int) -> list[list[int]]:
+    """The sorted sequence ids each of `n_steps` optimizer steps consumed over all ranks of a layout
+    (each rank reads per_step / (ranks × micro-batch) micro-batches a step: gradient accumulation)."""
+    accumulation = per_step // (ranks[0].micro_batch_size * len(ranks))
+    return [sorted(int(i) for _ in range(accumulation) for rank in ranks for i in rank.next_indices())
+            for _ in range(n_steps)]
+
+
+def test_the_position_is_global_so_any_layout_resumes_with_every_sequence_once(shards):
+    """24 sequences a step: dp2 × 4 × 3 micro-batches, stopped after 77 steps and resumed at dp4 × 3,
+    dp1 × 8, dp3 × 8 (and with a state from before the position was global): each step consumes the
+    same sequences as the run that never stopped, over two epochs' boundaries."""
+    layout = lambda world, mbs: [TokenLoader(shards, seq_len=16, micro_batch_size=mbs, dp_rank=r, dp_world=world,
+                                             seed=3) for r in range(world)]
+    per_step, total = 24, 200
+    n = layout(1, 1)[0].n_sequences
+    assert total * per_step > 2 * n and n % 8 != 0  # crosses epochs at a point no micro-batch step divides
+    straight = _steps(layout(2, 4), total, per_step)
+    counts = np.bincount([i for step in straight for i in step], minlength=n)
+    assert counts.max() - counts.min() <= 1  # every sequence read once an epoch, none twice before all once
+    for world, mbs in ((4, 3), (1, 8), (3, 8)):
+        first = layout(2, 4)
+        before = _steps(first, 77, per_step)
+        state = first[0].state_dict()
+        assert state["consumed"] == 77 * per_step and all(r.state_dict() == state for r in first)
+        resumed = layout(world, mbs)
+        for rank in resumed:
+            rank.load_state_dict(state)
+        assert before + _steps(resumed, total - 77, per_step) == straight, (world, mbs)
+    old = layout(1, 8)[0]  # a checkpoint written before the position was global
+    old.load_state_dict({"epoch": 1, "position": 40, "seed": 3, "n_sequences": n, "seq_len": 16})
+    reference = layout(1, 1)[0]
+    assert old.consumed == n + 40 and list(old.next_indices()) == list(reference.indices_at(n + 40, 8))
+    assert list(reference.indices_at(n + 40, 8)) == list(np.random.default_rng([3, 1]).permutation(n)[40:48])

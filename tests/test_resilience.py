@@ -253,7 +253,7 @@ def _injected(cfg, garbage_steps: set[int], nan_step: int | None):
     served, real = [], loader.next_batch
 
     def next_batch():
-        position = loader.position
+        position = loader.consumed  # the global position: sequences consumed so far
         inputs, targets = real()
         if loader.epoch == 0 and position in positions:
             served.append(position)

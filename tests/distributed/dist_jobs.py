@@ -205,3 +205,52 @@ def grad_norms(base: list[str], layouts: list[list[str]], out_dir: str) -> None:
             whole = float(total)
         results.append({"clipped_by": float(trainer.axes.clip_grad_norm(math.inf)), "whole": math.sqrt(whole)})
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+
+
+def record_sequence_ids(rank: int):
+    """From now on every training loader of this process appends the sequence ids each optimizer
+    step reads to RUN_DIR/ids-rank<rank>.jsonl ({"step", "ids"}; a mixture's ids are
+    [source, index]); returns the function that undoes it."""
+    import json
+    from pathlib import Path
+
+    from ultratron.data.loader import TokenLoader
+    from ultratron.data.mixture import MixtureLoader
+    from ultratron.training.trainer import Trainer
+
+    current: dict = {}
+    originals = {cls: cls.next_indices for cls in (TokenLoader, MixtureLoader)}
+    train_step = Trainer.train_step
+
+    def stepping(self):
+        current.update(loader=self.train_loader, step=self.step + 1, ids=[])
+        record = train_step(self)
+        with open(Path(self.run_dir) / f"ids-rank{rank}.jsonl", "a", encoding="utf-8") as out:
+            out.write(json.dumps({"step": current["step"], "ids": current["ids"]}) + "\n")
+        return record
+
+    def recording(cls):
+        def next_indices(self):
+            ids = originals[cls](self)
+            if self is current.get("loader"):
+                current["ids"] += [[int(v) for v in i] if isinstance(i, tuple) else int(i) for i in ids]
+            return ids
+        return next_indices
+
+    Trainer.train_step = stepping
+    for cls in originals:
+        cls.next_indices = recording(cls)
+
+    def undo():
+        Trainer.train_step = train_step
+        for cls, fn in originals.items():
+            cls.next_indices = fn
+    return undo
+
+
+def train_runs_recording_ids(runs: list[list[str]]) -> None:
+    """`train_runs`, each step's sequence ids recorded (`record_sequence_ids`)."""
+    import torch.distributed as dist
+
+    record_sequence_ids(dist.get_rank())
+    train_runs(runs)

@@ -1,10 +1,16 @@
-"""Fixed-length training sequences from token shards: deterministic, rank-aware, resumable.
+"""Fixed-length training sequences from token shards: deterministic, rank-aware, resumable on any
+number of ranks.
 
-The one-rank stream is a seeded permutation of all sequences (windows of seq_len + 1 tokens
-with stride seq_len, never crossing a shard), reshuffled every epoch. With `dp_world` ranks each
-micro-batch step consumes `dp_world × micro_batch_size` sequences of that stream and rank r takes
-the r-th block, so the ranks see disjoint data that together is exactly the one-rank stream
-with a dp_world-times larger micro-batch.
+The global stream is a seeded permutation of all sequences (windows of seq_len + 1 tokens with
+stride seq_len, never crossing a shard), followed by another permutation for the next epoch, and
+so on. The loader's position is global too: the number of sequences of that stream consumed so
+far by every rank together (`consumed`). Each micro-batch step consumes the next
+`dp_world × micro_batch_size` sequences and rank r reads the r-th block of them, so the ranks see
+disjoint data that together is exactly the one-rank stream with a dp_world-times larger
+micro-batch. Since nothing in the position depends on the layout, a run saved at dp2 resumes at
+dp4, dp1 or any other layout, or with another global batch, and reads each sequence of the
+stream exactly once across the interruption; `view` changes the layout mid-run (a replica group
+that left the quorum, parallel/replicas.py).
 """
 
 from __future__ import annotations
@@ -19,11 +25,9 @@ from ultratron.errors import DataError
 class TokenLoader:
     def __init__(self, shards: ShardSet, *, seq_len: int, micro_batch_size: int,
                  dp_rank: int = 0, dp_world: int = 1, seed: int = 0):
-        if not 0 <= dp_rank < dp_world:
-            raise ValueError(f"dp_rank={dp_rank} must lie in [0, {dp_world})")
         self.shards = shards
-        self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
-        self.dp_rank, self.dp_world, self.seed = dp_rank, dp_world, seed
+        self.seq_len, self.micro_batch_size, self.seed = seq_len, micro_batch_size, seed
+        self.view(dp_rank, dp_world)
         per_shard = [max(0, (len(t) - 1) // seq_len) for t in shards.tokens]
         self._first = np.concatenate([[0], np.cumsum(per_shard)]).astype(np.int64)
         self.n_sequences = int(self._first[-1])
@@ -34,12 +38,35 @@ class TokenLoader:
                 f"{seq_len + 1} tokens, fewer than one step needs ({needed}); add data or lower "
                 "training.seq_len / training.micro_batch_size"
             )
-        self.epoch = 0
-        self.position = 0  # index into the one-rank stream of the current epoch
-        self._order = self._permutation(0)
+        self.consumed = 0  # sequences of the global stream consumed so far, by every rank, over every epoch
+        self._orders: dict[int, np.ndarray] = {}
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n_sequences)
+    def view(self, dp_rank: int, dp_world: int) -> None:
+        """Read as rank `dp_rank` of `dp_world` from the next micro-batch step on."""
+        if not 0 <= dp_rank < dp_world:
+            raise ValueError(f"dp_rank={dp_rank} must lie in [0, {dp_world})")
+        self.dp_rank, self.dp_world = dp_rank, dp_world
+
+    @property
+    def epoch(self) -> int:
+        """How many times the whole data has been used up (the epoch the next sequence is in)."""
+        return self.consumed // self.n_sequences
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}  # at most two are in use
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_sequences)
+        return self._orders[epoch]
+
+    def indices_at(self, start: int, count: int) -> np.ndarray:
+        """Sequence indices of positions start .. start + count - 1 of the global stream."""
+        positions = np.arange(start, start + count, dtype=np.int64)
+        epochs = positions // self.n_sequences
+        out = np.empty(count, dtype=np.int64)
+        for epoch in np.unique(epochs):  # one, or two where the block straddles the end of an epoch
+            mask = epochs == epoch
+            out[mask] = self._order(int(epoch))[positions[mask] - epoch * self.n_sequences]
+        return out
 
     def _sequence(self, index: int) -> np.ndarray:
         shard = int(np.searchsorted(self._first, index, side="right") - 1)
@@ -47,15 +74,11 @@ class TokenLoader:
         return self.shards.tokens[shard][start:start + self.seq_len + 1]
 
     def next_indices(self) -> np.ndarray:
-        """Sequence indices of this rank's next micro-batch (advances the stream)."""
-        step = self.micro_batch_size * self.dp_world
-        if self.position + step > self.n_sequences:  # drop the ragged tail, start a new epoch
-            self.epoch += 1
-            self.position = 0
-            self._order = self._permutation(self.epoch)
-        begin = self.position + self.dp_rank * self.micro_batch_size
-        self.position += step
-        return self._order[begin:begin + self.micro_batch_size]
+        """Sequence indices of this rank's next micro-batch (advances the global position by the
+        whole micro-batch step: every rank's block)."""
+        begin = self.consumed + self.dp_rank * self.micro_batch_size
+        self.consumed += self.micro_batch_size * self.dp_world
+        return self.indices_at(begin, self.micro_batch_size)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each int64 of shape (micro_batch_size, seq_len)."""
@@ -64,8 +87,7 @@ class TokenLoader:
         return batch[:, :-1], batch[:, 1:]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "n_sequences": self.n_sequences, "seq_len": self.seq_len}
+        return {"consumed": self.consumed, "seed": self.seed, "n_sequences": self.n_sequences, "seq_len": self.seq_len}
 
     def metrics(self) -> dict[str, float]:
         """Per-source counters (a mixture's); one dataset has none beyond the trainer's own."""
@@ -81,5 +103,7 @@ class TokenLoader:
                     f"data loader state does not match the data: saved {key}={state[key]}, "
                     f"now {getattr(self, key)} (were the shards or training.seq_len changed?)"
                 )
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._order = self._permutation(self.epoch)
+        if "consumed" in state:
+            self.consumed = int(state["consumed"])
+        else:  # written before the position was global: (epoch, position within its permutation)
+            self.consumed = int(state["epoch"]) * self.n_sequences + int(state["position"])

@@ -13,7 +13,9 @@ sequence at a time), reshuffled each time it is used up and repeated, or, with
 Ranks: every micro-batch step takes `dp_world × micro_batch_size` sequences of the one-rank stream
 and rank r reads the r-th block, like `TokenLoader`. Every rank walks the whole stream's choices
 (a few comparisons per sequence), so each knows the global tokens per source without
-communication; it reads only its own sequences.
+communication; it reads only its own sequences. The state (credits, sequences taken per source,
+each source's own position) is global, so a run resumes on any layout, or with another global
+batch, and reads each sequence once, per source too.
 """
 
 from __future__ import annotations
@@ -32,12 +34,11 @@ class MixtureLoader:
     def __init__(self, spec: MixtureSpec, shards: list[ShardSet], *, seq_len: int, micro_batch_size: int,
                  dp_rank: int = 0, dp_world: int = 1, seed: int = 0, exhausted: str = "repeat",
                  use_schedule: bool = True):
-        if not 0 <= dp_rank < dp_world:
-            raise ValueError(f"dp_rank={dp_rank} must lie in [0, {dp_world})")
         if exhausted not in ("repeat", "stop"):
             raise ValueError(f"exhausted={exhausted!r} is not repeat or stop")
         self.spec, self.seq_len, self.micro_batch_size = spec, seq_len, micro_batch_size
-        self.dp_rank, self.dp_world, self.seed, self.exhausted = dp_rank, dp_world, seed, exhausted
+        self.seed, self.exhausted = seed, exhausted
+        self.view(dp_rank, dp_world)
         self.use_schedule = use_schedule
         self.sources = []
         for i, (name, shard_set) in enumerate(zip(spec.names, shards, strict=True)):
@@ -51,6 +52,17 @@ class MixtureLoader:
         self.credit = [0.0] * len(self.sources)
         self.sequences_seen = [0] * len(self.sources)  # global (every rank), this run so far
         self.taken = 0  # sequences of the one-rank stream so far
+
+    def view(self, dp_rank: int, dp_world: int) -> None:
+        """Read as rank `dp_rank` of `dp_world` from the next micro-batch step on."""
+        if not 0 <= dp_rank < dp_world:
+            raise ValueError(f"dp_rank={dp_rank} must lie in [0, {dp_world})")
+        self.dp_rank, self.dp_world = dp_rank, dp_world
+
+    @property
+    def consumed(self) -> int:
+        """Sequences of the global stream consumed so far, by every rank."""
+        return self.taken
 
     def _weights(self) -> tuple[float, ...]:
         if not self.use_schedule:
@@ -66,7 +78,7 @@ class MixtureLoader:
 
     def _take(self, i: int) -> int:
         source = self.sources[i]
-        if source.position + 1 > source.n_sequences and self.exhausted == "stop":
+        if source.consumed + 1 > source.n_sequences and self.exhausted == "stop":
             raise DataError(f"data source {self.spec.names[i]!r} is used up: all {source.n_sequences} of its "
                             f"sequences were trained on (data.exhausted=stop); add data, lower its weight, or "
                             "set data.exhausted=repeat")
@@ -74,15 +86,21 @@ class MixtureLoader:
         self.taken += 1
         return int(source.next_indices()[0])
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each int64 of shape (micro_batch_size, seq_len): this rank's block."""
-        rows = []
+    def next_indices(self) -> list[tuple[int, int]]:
+        """(source, sequence index) of this rank's next micro-batch; advances the global stream by
+        the whole micro-batch step (every rank's block)."""
+        mine = []
         for rank in range(self.dp_world):
             for _ in range(self.micro_batch_size):
                 i = self._choose()
                 index = self._take(i)
                 if rank == self.dp_rank:
-                    rows.append(self.sources[i]._sequence(index))
+                    mine.append((i, index))
+        return mine
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each int64 of shape (micro_batch_size, seq_len): this rank's block."""
+        rows = [self.sources[i]._sequence(index) for i, index in self.next_indices()]
         batch = torch.from_numpy(np.stack(rows).astype(np.int64))
         return batch[:, :-1], batch[:, 1:]
 

@@ -35,6 +35,7 @@ class CheckpointPolicy:
     def __init__(self, cfg, run_dir: Path, is_main: bool, model_state: ModelState, train_state: TrainState,
                  files, log):
         c = cfg.checkpoint
+        self.cfg = cfg
         self.interval, self.resume_from = c.interval, c.resume
         self.init_from = cfg.model.init_from
         self.run_dir, self.is_main, self.log = run_dir, is_main, log
@@ -75,6 +76,27 @@ class CheckpointPolicy:
         self.last = ckpt
         self._trim_metrics(self.train_state.step)
         self.log(f"checkpoint: resumed from {ckpt} at step {self.train_state.step}")
+        self._compare_with_saved()
+
+    def _compare_with_saved(self) -> None:
+        """Say what a resume under another layout or global batch means for the data: the loader's
+        position is global (sequences consumed), so every sequence is still read exactly once."""
+        saved, now = self.train_state.saved_config, self.cfg
+        consumed = self.train_state.loader.consumed
+        if not saved:
+            return
+        layout = lambda p: " × ".join(f"{k}{p[k]}" for k in ("dp", "tp", "pp", "cp") if p.get(k, 1) > 1) or "one rank"
+        before, after = layout(saved.get("parallel", {})), layout(vars(now.parallel))
+        if before != after:
+            self.log(f"checkpoint: saved under {before}, resumed under {after}: the data position is global "
+                     f"({consumed:,} sequences consumed), so the ranks read on in the same order and no sequence "
+                     "is repeated or skipped")
+        old_batch = saved.get("training", {}).get("batch_tokens")
+        if old_batch is not None and old_batch != now.training.batch_tokens:
+            self.log(f"warning: training.batch_tokens was {old_batch:,} when this checkpoint was saved, now "
+                     f"{now.training.batch_tokens:,}: the data goes on from sequence {consumed:,} of the same order "
+                     "(none repeated or skipped); steps and the learning-rate schedule go on counting optimizer "
+                     "steps, each of the new size")
 
     def _nothing_to_resume(self) -> None:
         corrupt = [n for n in self.storage.names() if n.startswith("corrupt-step-")]

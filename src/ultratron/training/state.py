@@ -34,13 +34,15 @@ class TrainState(Stateful):
         self.tokens = 0
         self.loader = loader
         self.config = config or {}
+        self.saved_config: dict = {}  # the config of the run a loaded checkpoint was written by
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens": self.tokens, "loader": self.loader.state_dict(), "rng": rng_state(),
                 "config": self.config}
 
     def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state["loader"])
+        self.loader.load_state_dict(state["loader"])  # a global position: any layout reads on from it
+        self.saved_config = state.get("config") or {}
         set_rng_state(state["rng"])
         self.step = int(state["step"])
         # (checkpoints from before the ramp hold no tokens: they trained at a fixed batch)
