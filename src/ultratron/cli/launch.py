@@ -32,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the whole group up to N times after any rank fails; each restart resumes from "
                              "the newest verified checkpoint (adds --checkpoint.resume auto unless given)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="R ≥ 2: R replica groups of --nproc-per-node processes with torchft: a group that fails "
+                             "is left out while the others go on, restarts alone (--max-restarts) and heals from a "
+                             "peer (docs/resilience.md); the global batch is R × training.batch_tokens")
     parser.add_argument("--slurm", metavar="FILE", help="write a Slurm batch script to FILE instead of running")
     parser.add_argument("--job-name", default="ultratron")
     parser.add_argument("--time", default="01:00:00", help="Slurm time limit")
@@ -40,9 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(_accepts_overrides=True)
 
 
-def _run_dir(train_args: list[str]) -> str:
-    """The run directory the training arguments name (the config is read and validated here, so a
-    bad one fails now, not on the cluster)."""
+def _config(train_args: list[str]):
+    """The config the training arguments give (read and validated here, so a bad one fails now, not
+    on the cluster)."""
     from ultratron.config import load_config
 
     config, overrides, rest = None, [], iter(train_args)
@@ -53,7 +57,30 @@ def _run_dir(train_args: list[str]) -> str:
             config = arg.split("=", 1)[1]
         else:
             overrides.append(arg)
-    return str(Path(load_config(config, overrides).run.dir).resolve())
+    return load_config(config, overrides)
+
+
+def _run_dir(train_args: list[str]) -> str:
+    return str(Path(_config(train_args).run.dir).resolve())
+
+
+def _run_replicas(args, train_args: list[str]) -> int:
+    from ultratron.errors import UserError
+    from ultratron.launch.replicas import replica_group_commands, run_replicas
+
+    if args.nnodes > 1 or args.slurm:
+        raise UserError("--replicas runs every replica group on this node for now; with several nodes, start one "
+                        "torchrun per group yourself with TORCHFT_LIGHTHOUSE, ULTRATRON_REPLICA_GROUP and "
+                        "ULTRATRON_REPLICA_GROUPS set (docs/resilience.md)")
+    cfg = _config(train_args)
+    if args.dry_run:
+        for cmd, env in replica_group_commands(args.replicas, args.nproc_per_node, train_args, cfg.run.dir,
+                                               cfg.data.cache_dir or f"{cfg.run.dir}/data", args.max_restarts,
+                                               "LIGHTHOUSE"):
+            print(" ".join(f"{k}={v}" for k, v in env.items()), shlex.join(cmd))
+        return 0
+    return run_replicas(args.replicas, args.nproc_per_node, train_args, cfg, args.max_restarts,
+                        log=lambda line: print(line, flush=True))
 
 
 def run(args) -> int:
@@ -69,6 +96,8 @@ def run(args) -> int:
         path.chmod(0o755)
         print(f"wrote {path}; submit it with: sbatch {path}")
         return 0
+    if args.replicas > 1:
+        return _run_replicas(args, train_args)
     endpoint = args.rdzv_endpoint or (local_endpoint() if args.nnodes == 1 else None)
     cmd = torchrun_command(args.nproc_per_node, args.nnodes, train_args, endpoint, args.max_restarts)
     if args.dry_run:

@@ -106,6 +106,26 @@ class Axis:
     def describe(self) -> list[str]:
         return []
 
+    def begin_step(self, loader) -> None:
+        """Before a step reads its data: the axis may change which block of the global order this
+        rank reads (`loader.view`), e.g. after the set of replica groups changed."""
+
+    def committed(self) -> bool:
+        """After the optimizer step: whether the step counts (False: nothing changed, it runs again)."""
+        return True
+
+    def step_metrics(self) -> dict:
+        """Figures of the step just taken for its metrics record."""
+        return {}
+
+    def track_state(self, states: dict) -> None:
+        """The run's state (Statefuls by name: the model and optimizer, the run state), for an axis
+        that hands it to a replica that rejoins."""
+
+    def close(self) -> None:
+        """At the end of training, whether it succeeded or failed: release what the axis started
+        (threads, servers) so that the process can exit."""
+
     def runner(self, model: nn.Module, loss: Loss, around_forward: AroundForward) -> Runner | None:
         """A runner of its own for the step's micro-batches (the pipeline's schedule), or None."""
         return None
@@ -254,3 +274,21 @@ class Axes:
 
     def describe(self) -> list[str]:
         return [line for axis in self.axes for line in axis.describe()]
+
+    def begin_step(self, loader) -> None:
+        for axis in self.axes:
+            axis.begin_step(loader)
+
+    def committed(self) -> bool:
+        return all(axis.committed() for axis in self.axes)
+
+    def step_metrics(self) -> dict:
+        return {k: v for axis in self.axes for k, v in axis.step_metrics().items()}
+
+    def track_state(self, states: dict) -> None:
+        for axis in self.axes:
+            axis.track_state(states)
+
+    def close(self) -> None:
+        for axis in self.axes:
+            axis.close()

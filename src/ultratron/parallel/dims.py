@@ -49,6 +49,9 @@ class ParallelDims:
     restart_count: int = 0  # torchrun's restarts of the whole group so far (TORCHELASTIC_RESTART_COUNT)
     agent_store: tuple[str, int] | None = None  # torchrun's own TCPStore (MASTER_ADDR, MASTER_PORT), if used
     timeout: float = 300.0  # seconds a collective waits (parallel.collective_timeout)
+    replica_group: int = 0  # this process's replica group, under `launch --replicas` (parallel/replicas.py)
+    replica_groups: int = 1  # how many replica groups the job has (1: no fault-tolerant replicas)
+    store_host: str | None = None  # MASTER_ADDR: where this group's rank 0 is reached
     started: float = 0.0  # when this process joined the group (time.time())
     mesh: object = field(default=None, repr=False, compare=False)  # a DeviceMesh once built
     flat: dict = field(default_factory=dict, repr=False, compare=False)  # flattened meshes by name
@@ -67,6 +70,8 @@ class ParallelDims:
                    world_size=int(env.get("WORLD_SIZE", "1")),
                    rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
                    restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                   replica_group=int(env.get("ULTRATRON_REPLICA_GROUP", "0")),
+                   replica_groups=int(env.get("ULTRATRON_REPLICA_GROUPS", "1")), store_host=env.get("MASTER_ADDR"),
                    agent_store=(env["MASTER_ADDR"], int(env.get("MASTER_PORT", "29500"))) if agent else None)
         if dims.product != dims.world_size:
             raise ConfigError(

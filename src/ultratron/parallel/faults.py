@@ -122,7 +122,7 @@ class SignalWatch:
 
 def is_collective_error(err: BaseException) -> bool:
     """Whether `err` is a collective that broke (a peer gone, a timeout) rather than this rank's own fault."""
-    if isinstance(err, getattr(dist, "DistError", ())):
+    if isinstance(err, getattr(dist, "DistError", ()) | TimeoutError):  # TimeoutError: torchft's RPCs
         return True
     text = str(err)
     return isinstance(err, RuntimeError) and any(k in text for k in (

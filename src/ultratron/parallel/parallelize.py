@@ -28,6 +28,7 @@ from ultratron.parallel.dims import ParallelDims
 from ultratron.parallel.expert import apply_expert_parallel
 from ultratron.parallel.pipeline import split_model
 from ultratron.parallel.recompute import apply_recompute
+from ultratron.parallel.replicas import apply_replicas
 from ultratron.parallel.tensor import apply_tensor_parallel
 
 
@@ -68,7 +69,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg) -> Parallel:
     model, data = apply_data_parallel(model, dims, cfg.training.precision, plan, roots, ignored=ignored)
     if pipeline is not None:
         pipeline.finish(model)
-    axes = [axis for axis in (data, tensor, pipeline, context, expert) if axis is not None]
+    replicas = apply_replicas(dims)  # across replica groups, outside everything a group does inside
+    axes = [axis for axis in (data, tensor, pipeline, context, expert, replicas) if axis is not None]
     return Parallel(model, Axes(axes, model), dims)
 
 

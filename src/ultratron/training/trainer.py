@@ -94,6 +94,7 @@ class Trainer:
         self.strategy = TrainStep(parallel, self.device, t.precision, t.z_loss, t.compile)
         self.routers = RouterStats(self.model, self.axes)
         self.state = TrainState(self.train_loader, to_dict(cfg))
+        self.axes.track_state({"model": ModelState(self.model, self.optimizer), "train": self.state})
         self.validator = Validator(lambda: open_loader(self.data, "val", seq_len=t.seq_len,
                                                        micro_batch_size=t.micro_batch_size, seed=t.seed),
                                    interval=cfg.eval.interval, batches=cfg.eval.batches,
@@ -132,7 +133,9 @@ class Trainer:
         self.log.start(self.step, stop_at)
         try:
             while self.step < stop_at:
-                if self.guard.after_step(record := self.train_step()):
+                if (record := self.train_step()) is None:
+                    continue  # not committed (a replica group failed mid-step): nothing changed, run it again
+                if self.guard.after_step(record):
                     continue  # rolled back to an earlier checkpoint, past the data that caused a spike
                 losses.append(record["loss"])
                 if self.validator.due(self.step, at_end=self.step == total) and (new := self._validate()) is not None:
@@ -164,9 +167,11 @@ class Trainer:
         return self.step + self.batch.steps_to(self.state.tokens, t.steps * t.batch_tokens) if self.batch.ramped \
             else t.steps
 
-    def train_step(self) -> dict:
-        """One optimizer step: forward/backward of the batch → global-norm clip → AdamW → a record."""
+    def train_step(self) -> dict | None:
+        """One optimizer step: forward/backward of the batch → global-norm clip → AdamW → a record.
+        None when the axes did not commit it (nothing changed; the caller runs it again)."""
         self.profiler.before(self.step + 1)
+        self.axes.begin_step(self.train_loader)
         cfg, start = self.cfg, time.perf_counter()
         seen, tokens = self.state.tokens, self.batch.tokens_at(self.state.tokens)
         # under a ramp the schedule follows tokens: the same LR at the same tokens, whatever the ramp
@@ -183,6 +188,11 @@ class Trainer:
             self.optimizer.step()
         self.axes.zero_grad(self.optimizer)
         moe = self.routers.after_step(n_micro_batches)
+        if not self.axes.committed():
+            return None
+        axes = self.axes.step_metrics()
+        for line in axes.pop("log", "").splitlines():  # e.g. a smaller quorum of replica groups
+            self.log(line)
         self.state.step += 1
         self.state.tokens += tokens
         elapsed = time.perf_counter() - start
@@ -190,7 +200,7 @@ class Trainer:
         tokens_per_sec = tokens / elapsed
         return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                 "tokens": self.state.tokens, "tokens_per_sec": tokens_per_sec,
-                "step_time": elapsed, "mfu": self.mfu(tokens_per_sec), **self.train_loader.metrics(), **moe} | (
+                "step_time": elapsed, "mfu": self.mfu(tokens_per_sec), **self.train_loader.metrics(), **moe, **axes} | (
                     {"skipped": 1} if skipped else {}) | ({"batch_tokens": tokens} if self.batch.ramped else {})
 
     def _validate(self, record_alone: bool = False) -> float | None:
@@ -241,7 +251,9 @@ def train(cfg: Config, echo: bool = True) -> TrainResult:
     try:
         result = trainer.fit()
     except BaseException as err:
+        trainer.axes.close()
         trainer.dims.fail(err, trainer.run_dir)  # reports, dumps, leaves; a broken collective names the rank
         raise
+    trainer.axes.close()
     trainer.dims.leave()
     return result
