@@ -125,8 +125,17 @@ MUTATIONS = [
     # ---- data ----
     Mutation("data-ranks-same-block", f"{SRC}/data/loader.py",
              "every dp rank reads the same block of each micro-batch step",
-             "begin = self.position + self.dp_rank * self.micro_batch_size", "begin = self.position",
+             "begin = self.consumed + self.dp_rank * self.micro_batch_size", "begin = self.consumed",
              ("tests/test_loader.py::test_two_ranks_are_disjoint_and_together_equal_one_rank",)),
+    Mutation("data-position-per-rank", f"{SRC}/data/loader.py",
+             "the data position counts this rank's sequences only, not every rank's",
+             "self.consumed += self.micro_batch_size * self.dp_world", "self.consumed += self.micro_batch_size",
+             ("tests/test_loader.py::test_the_position_is_global_so_any_layout_resumes_with_every_sequence_once",)),
+    Mutation("replicas-no-rewind", f"{SRC}/parallel/replicas.py",
+             "a step torchft did not commit keeps the data it read",
+             "self.loader.load_state_dict(self.before)", "pass",
+             ("tests/distributed/test_dist_replicas.py::"
+              "test_kill_9_of_a_replica_group_the_other_goes_on_and_it_heals_and_rejoins",)),
     Mutation("data-mixture-ranks-same-block", f"{SRC}/data/mixture.py",
              "a mixture: every dp rank keeps rank 0's sequences",
              "if rank == self.dp_rank:", "if rank == 0:",

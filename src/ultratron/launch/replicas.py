@@ -10,6 +10,7 @@ prepared once, here, into one cache every group reads.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -57,6 +58,8 @@ def run_replicas(replicas: int, nproc_per_node: int, train_args: list[str], cfg,
     log(f"launch: torchft lighthouse at {lighthouse.address()}; {replicas} replica groups × {nproc_per_node} "
         f"processes, each in {run_dir}/replica-N")
     procs = []
+    # SIGTERM (a scheduler ending the job) must reach the groups: exit through the `finally` below
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         for cmd, env in replica_group_commands(replicas, nproc_per_node, train_args, str(run_dir), str(data_dir),
                                                max_restarts, lighthouse.address()):
@@ -69,8 +72,14 @@ def run_replicas(replicas: int, nproc_per_node: int, train_args: list[str], cfg,
                 log(f"launch: replica group {group} ended with exit code {code}")
         return max(codes, key=abs)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for p in procs:
             if p.poll() is None:
-                p.terminate()
+                p.terminate()  # torchrun passes it on to its workers (which write their flight records)
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
         lighthouse.shutdown()
         sys.stdout.flush()

@@ -93,15 +93,14 @@ class SignalWatch:
         return self
 
     def _watch(self) -> None:
+        read = self._read
         while True:
-            try:
-                data = os.read(self._read, 64)
-            except OSError:
-                return  # closed
-            if not data:
-                return
+            data = os.read(read, 64)
             if signal.SIGTERM in data:
                 self._stop(signal.SIGTERM)
+            if not data or 0 in data:  # `close` wrote 0 (no signal has number 0): this thread closes its end
+                os.close(read)
+                return
 
     def _stop(self, signum: int) -> None:
         if self._once.acquire(blocking=False):
@@ -115,15 +114,17 @@ class SignalWatch:
             return
         signal.set_wakeup_fd(self._previous_fd if self._previous_fd is not None else -1)
         signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+        # wake the watcher so that it closes the read end itself: closing it here would leave the
+        # thread blocked on a descriptor number the process may reuse for something else
+        os.write(self._write, b"\0")
         os.close(self._write)
-        os.close(self._read)
         self._read = None
 
 
 def is_collective_error(err: BaseException) -> bool:
     """Whether `err` is a collective that broke (a peer gone, a timeout) rather than this rank's own fault."""
-    if isinstance(err, getattr(dist, "DistError", ()) | TimeoutError):  # TimeoutError: torchft's RPCs
-        return True
+    if isinstance(err, (TimeoutError, *([dist.DistError] if hasattr(dist, "DistError") else []))):
+        return True  # (TimeoutError: torchft's RPCs between replica groups)
     text = str(err)
     return isinstance(err, RuntimeError) and any(k in text for k in (
         "gloo", "Gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out", "Socket"))

@@ -76,6 +76,7 @@ class ReplicaAxis(Axis):
         self.participants, self.index = dims.replica_groups, dims.replica_group
         self._committed, self._states, self._armed, self._first = True, {}, False, True
         self._healed: tuple[int, int] | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
 
     def track_state(self, states: dict) -> None:
         """What a rejoining group receives from a live peer: the model and optimizer, the run state
@@ -140,11 +141,13 @@ class ReplicaAxis(Axis):
             return None
 
         optimizer.step = step_if_committed
-        self._parameters = lambda: [p for group in optimizer.param_groups for p in group["params"]]
+        self._optimizer = optimizer
         return optimizer
 
     def _parameters(self) -> list[nn.Parameter]:
-        return []
+        """What the optimizer steps: the parameters whose gradients the groups must agree on."""
+        groups = self._optimizer.param_groups if self._optimizer is not None else []
+        return [p for group in groups for p in group["params"]]
 
     def committed(self) -> bool:
         return self._committed
