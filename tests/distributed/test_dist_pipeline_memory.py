@@ -2,8 +2,13 @@
 (`estimate_memory_per_rank`): parameters, gradients and AdamW state from the tensors each rank
 holds, activations as the peak of what autograd keeps alive while the schedule runs (saved-tensor
 hooks, `parallel.memory.SavedActivations`). pp2 with every schedule, fp32, 8 layers, 4 micro-batches:
-the first and the last stage each within 15% of the plan, for the sum and for the activations
-(measured here: activations within 1%, 4.4% for zb's last rank; the static terms exactly)."""
+the first and the last stage each within 15% of the plan, for the sum and for the activations; the
+static terms exactly. What the hooks cannot see sets that margin: the logits the schedule keeps for
+the loss are referenced, not saved by autograd (the cross-entropy saves its log-probabilities), so
+the stage that computes the loss measures about one logits tensor (4·T·V bytes) per micro-batch it
+holds below the plan: 9–14% here (gpipe's four, 1f1b's one, zb's three of 4·256·512 bytes); the
+stages without the loss match within 0.1%, and where the zero-bubble V schedules put the loss,
+within 5%."""
 
 from __future__ import annotations
 
