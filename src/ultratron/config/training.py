@@ -18,13 +18,13 @@ from ultratron.config.loader import (
     build,
     choice_problems,
     did_you_mean,
-    option,
     read_toml,
     set_field,
 )
 from ultratron.config.training_rules import parallel_problems, profile_problems, ramp_problems
 from ultratron.data.mixture_spec import parse_mixture
 from ultratron.errors import ConfigError
+from ultratron.fields import option
 from ultratron.models.presets import PRESETS, ModelShape
 from ultratron.planning.pipeline import BALANCES, SCHEDULES
 from ultratron.planning.rules import (
