@@ -18,7 +18,8 @@ import pytest
 from dist_common import dist_base_fixture  # noqa: F401 (fixture)
 
 from ultratron.config import load_config
-from ultratron.planning.memory import Layout, estimate_memory_per_rank
+from ultratron.planning.layout import Layout
+from ultratron.planning.memory import estimate_memory_per_rank
 from ultratron.planning.pipeline import SCHEDULES
 
 EXTRA = ["--model.n_layers", "8", "--eval.interval", "0"]
@@ -38,8 +39,8 @@ def measured(dist_base, tmp_path_factory):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_first_and_last_stage_memory_matches_the_plan(measured, dist_base, schedule):
     cfg = load_config(None, dist_base + EXTRA)
-    layout = Layout(pp=2, pp_schedule=schedule, precision="fp32", mbs=cfg.training.micro_batch_size,
-                    grad_acc=cfg.grad_accum_steps, seq=cfg.training.seq_len)
+    layout = Layout(pp=2, pp_schedule=schedule, precision="fp32", micro_batch_size=cfg.training.micro_batch_size,
+                    grad_accum=cfg.grad_accum_steps, seq_len=cfg.training.seq_len)
     planned = estimate_memory_per_rank(cfg.model, layout)
     for rank in range(2):
         got, plan = measured[rank][schedule], planned[rank]

@@ -53,8 +53,10 @@ def test_search_ranks_with_the_function_estimate_prints(capsys, tmp_path):
     assert code == 0
     for ranked in json.loads(out)["layouts"]:
         lay = ranked["layout"]
-        flags = [f"--{k.replace('_', '-')}={lay[k]}" for k in ("dp", "zero", "tp", "pp", "virtual_stages", "cp",
-                                                              "mbs", "grad_acc", "seq", "recompute", "pp_schedule")]
+        flags = [f"--{flag}={lay[k]}" for flag, k in (
+            ("dp", "dp"), ("zero", "zero"), ("tp", "tp"), ("pp", "pp"), ("virtual-stages", "pp_virtual_stages"),
+            ("cp", "cp"), ("mbs", "micro_batch_size"), ("grad-acc", "grad_accum"), ("seq", "seq_len"),
+            ("recompute", "recompute"), ("pp-schedule", "pp_schedule"))]
         flags += ["--sp"] if lay["sp"] else []
         alone = estimate_json(capsys, *flags)
         for key in ("peak_bytes", "step_seconds", "tokens_per_sec_per_gpu", "mfu", "time"):

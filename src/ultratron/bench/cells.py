@@ -127,7 +127,7 @@ def top_cells(models: list[str], base_cfg_of, accelerator, gpus: int, gpus_per_n
         for rank, est in enumerate(result.ranked, 1):
             lay = est.layout
             values = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero,
-                      "sp": str(lay.sp).lower(), "mbs": lay.mbs, "recompute": lay.recompute}
+                      "sp": str(lay.sp).lower(), "mbs": lay.micro_batch_size, "recompute": lay.recompute}
             if lay.pp > 1:
                 values |= {"pp_schedule": lay.pp_schedule, "virtual_stages": lay.stages_per_rank}
             cells.append(Cell(model, tuple((SHORT[k_], str(v)) for k_, v in values.items()), f"top-{rank}"))

@@ -42,7 +42,7 @@ def predict(sweep: Sweep, cell: Cell, result: dict, gpu: str) -> dict:
     """The planner's figures for a cell that has a config (an empty dict where it has none)."""
     from ultratron.config import load_config
     from ultratron.planning.flops import training_flops_per_token
-    from ultratron.planning.memory import Layout, check_layout
+    from ultratron.planning.layout import Layout, check_layout
     from ultratron.planning.params import count_params_of
     from ultratron.planning.search import SearchSpec, estimate_step
 
@@ -53,8 +53,9 @@ def predict(sweep: Sweep, cell: Cell, result: dict, gpu: str) -> dict:
     m, par, t = cfg.model, cfg.parallel, cfg.training
     on_cpu = gpu == "cpu" or str(result.get("device", "")).startswith("cpu")
     layout = Layout(dp=par.dp, zero=par.zero, tp=par.tp, sp=par.sp, pp=par.pp, pp_schedule=par.pp_schedule,
-                    virtual_stages=par.pp_virtual_stages, pp_split=par.pp_split, pp_balance=par.pp_balance,
-                    cp=par.cp, ep=par.ep, mbs=t.micro_batch_size, grad_acc=cfg.grad_accum_steps, seq=t.seq_len,
+                    pp_virtual_stages=par.pp_virtual_stages, pp_split=par.pp_split, pp_balance=par.pp_balance,
+                    cp=par.cp, ep=par.ep, micro_batch_size=t.micro_batch_size, grad_accum=cfg.grad_accum_steps,
+                    seq_len=t.seq_len,
                     recompute=t.recompute, precision=t.precision, attention_fp32=on_cpu and t.precision == "bf16")
     fields = {"dp": par.dp, "tp": par.tp, "pp": par.pp, "zero": par.zero, "sp": par.sp, "mbs": t.micro_batch_size,
               "recompute": t.recompute}

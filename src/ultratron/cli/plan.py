@@ -15,7 +15,7 @@ import argparse
 import itertools
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,14 +24,8 @@ from ultratron.cli.plan_output import gib, human, stacked_bars, table, varying_l
 from ultratron.errors import UserError
 from ultratron.models.presets import PRESETS, ModelShape
 from ultratron.planning import hardware, scaling
-from ultratron.planning.memory import (
-    ACTIVATION_MODELS,
-    PRECISIONS,
-    GiB,
-    Layout,
-    MemoryBreakdown,
-    estimate_memory_per_rank,
-)
+from ultratron.planning.layout import PRECISIONS, Layout
+from ultratron.planning.memory import ACTIVATION_MODELS, GiB, MemoryBreakdown, estimate_memory_per_rank
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import BALANCES, SCHEDULES
 from ultratron.planning.rules import shape_problems
@@ -187,7 +181,12 @@ def memory_layouts(args) -> list[Layout]:
                 precision=args.precision,
                 fp32_grad_accum=args.fp32_grad_accum,
                 attention_fp32=args.attention_fp32)
-    return [Layout(**base, **dict(zip(sweep, combo, strict=True))) for combo in itertools.product(*sweep.values())]
+    renamed = {"virtual_stages": "pp_virtual_stages", "mbs": "micro_batch_size", "grad_acc": "grad_accum",
+               "seq": "seq_len"}
+    layouts = [Layout(**base, **{renamed.get(k, k): v for k, v in zip(sweep, combo, strict=True)})
+               for combo in itertools.product(*sweep.values())]
+    # --sp over a sweep of tp: sequence parallel where there is tensor parallelism to split
+    return [replace(lay, sp=lay.sp and lay.tp > 1) if len(sweep["tp"]) > 1 else lay for lay in layouts]
 
 
 def run_memory(args) -> int:
@@ -232,7 +231,7 @@ def run_memory(args) -> int:
             moe = (f"; experts: {human(experts)} params on the GPU (their parameters, gradients and optimizer "
                    f"state, split over ep·tp, not ZeRO-sharded), all-to-all buffers {gib(m.extra['all_to_all_bytes'])}"
                    f" GiB (in comm_buffers)") if experts else ""
-            print(f"#{i + 1}: {lay.describe()} seq={lay.seq} {lay.precision}"
+            print(f"#{i + 1}: {lay.describe()} seq={lay.seq_len} {lay.precision}"
                   f"{' fp32-grad-accum' if lay.fp32_grad_accum else ''}{moe}")
     if args.chart:
         labels = varying_labels([lay for lay, _ in results])
@@ -335,7 +334,7 @@ def _hardware_problems(args) -> list[str]:
 
 
 def run_estimate(args) -> int:
-    from ultratron.planning.memory import check_layout
+    from ultratron.planning.layout import check_layout
     from ultratron.planning.search import SearchSpec, estimate_step
 
     shape = resolve_shape(args)
@@ -351,7 +350,8 @@ def run_estimate(args) -> int:
         raise UserError(problems)
     gpus = layout.n_gpus
     spec = SearchSpec(shape, acc, gpus, args.gpus_per_node or min(acc.gpus_per_node, gpus),
-                      layout.dp * layout.mbs * layout.grad_acc * layout.seq, layout.seq, layout.precision,
+                      layout.dp * layout.micro_batch_size * layout.grad_accum * layout.seq_len, layout.seq_len,
+                      layout.precision,
                       args.headroom, args.efficiency, activation_model=args.activation_model)
     est = estimate_step(spec, layout)
     if args.json:

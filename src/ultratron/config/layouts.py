@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ultratron.config.loader import to_toml
 from ultratron.config.training import Config
-from ultratron.planning.memory import GiB, Layout
+from ultratron.planning.layout import Layout
+from ultratron.planning.memory import GiB
 from ultratron.planning.search import Estimate, SearchSpec
 
 
@@ -19,7 +20,7 @@ def layout_config(spec: SearchSpec, layout: Layout, preset: str | None = None):
                  "n_dense_layers", "router_score"):  # (absent from a custom shape: the preset's or the default)
         if getattr(spec.shape, name, None) is not None:
             setattr(model, name, getattr(spec.shape, name))
-    model.max_seq_len = max(layout.seq, getattr(spec.shape, "max_seq_len", 0) or 0)
+    model.max_seq_len = max(layout.seq_len, getattr(spec.shape, "max_seq_len", 0) or 0)
     model.rope_theta = getattr(spec.shape, "rope_theta", None) or 500_000.0
     par = cfg.parallel
     par.dp, par.zero, par.tp, par.sp, par.pp, par.cp, par.ep = (
@@ -29,8 +30,8 @@ def layout_config(spec: SearchSpec, layout: Layout, preset: str | None = None):
         par.pp_split, par.pp_balance = layout.pp_split, layout.pp_balance
     train = cfg.training
     train.batch_tokens = spec.global_batch_tokens
-    train.micro_batch_size = layout.mbs
-    train.seq_len = layout.seq
+    train.micro_batch_size = layout.micro_batch_size
+    train.seq_len = layout.seq_len
     train.precision = layout.precision
     train.recompute = layout.recompute
     train.device = "cuda"

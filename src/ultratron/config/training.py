@@ -21,17 +21,13 @@ from ultratron.config.loader import (
     read_toml,
     set_field,
 )
-from ultratron.config.training_rules import parallel_problems, profile_problems, ramp_problems
+from ultratron.config.training_rules import profile_problems, ramp_problems
 from ultratron.data.mixture_spec import parse_mixture
 from ultratron.errors import ConfigError
 from ultratron.fields import option
 from ultratron.models.presets import PRESETS, ModelShape
 from ultratron.planning.pipeline import BALANCES, SCHEDULES
-from ultratron.planning.rules import (
-    layout_problems,
-    pipeline_problems,
-    shape_problems,
-)
+from ultratron.planning.rules import degree_problems, layout_problems, pipeline_problems, shape_problems
 
 ROPE_SCALINGS = ("none", "linear", "llama3")
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -353,7 +349,7 @@ def validate(cfg: Config) -> None:
     p += shape_problems(m) + rope_scaling_problems(m)
     p += layout_problems(m, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, seq=t.seq_len, dp=par.dp,
                          dp_replicate=par.dp_replicate)
-    p += parallel_problems(par)
+    p += degree_problems(par)
     if t.seq_len > m.max_seq_len:
         p.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     micro = cfg.tokens_per_micro_batch * par.dp
