@@ -1,6 +1,7 @@
 """`plan search` never proposes a layout the trainer refuses: every layout it ranks, written as the
 config `plan search --out` writes, passes the trainer's own validation (`config.load_config`) and
-its launch check (`ParallelDims.from_config` with the layout's world size)."""
+its launch check (`ParallelDims.from_config` with the layout's world size); the config embeds the
+very layout the search chose (`Config.layout`)."""
 
 from __future__ import annotations
 
@@ -32,5 +33,6 @@ def test_every_ranked_layout_passes_the_trainers_validation(model, gpus, batch, 
         lay = est.layout
         path.write_text(config_toml(spec, est, model))
         cfg = load_config(path)  # raises ConfigError, naming the problem, for a layout the trainer refuses
-        dims = ParallelDims.from_config(cfg.parallel)
-        assert dims.product == gpus and cfg.grad_accum_steps == lay.grad_accum, lay.describe()
+        assert cfg.layout == lay, lay.describe()  # the config embeds the very layout the search chose
+        dims = ParallelDims.from_config(cfg.layout)
+        assert dims.product == gpus, lay.describe()

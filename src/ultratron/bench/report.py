@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from ultratron.bench.cells import Cell
@@ -42,7 +43,7 @@ def predict(sweep: Sweep, cell: Cell, result: dict, gpu: str) -> dict:
     """The planner's figures for a cell that has a config (an empty dict where it has none)."""
     from ultratron.config import load_config
     from ultratron.planning.flops import training_flops_per_token
-    from ultratron.planning.layout import Layout, check_layout
+    from ultratron.planning.layout import check_layout
     from ultratron.planning.params import count_params_of
     from ultratron.planning.search import SearchSpec, estimate_step
 
@@ -52,11 +53,8 @@ def predict(sweep: Sweep, cell: Cell, result: dict, gpu: str) -> dict:
     cfg = load_config(path)
     m, par, t = cfg.model, cfg.parallel, cfg.training
     on_cpu = gpu == "cpu" or str(result.get("device", "")).startswith("cpu")
-    layout = Layout(dp=par.dp, zero=par.zero, tp=par.tp, sp=par.sp, pp=par.pp, pp_schedule=par.pp_schedule,
-                    pp_virtual_stages=par.pp_virtual_stages, pp_split=par.pp_split, pp_balance=par.pp_balance,
-                    cp=par.cp, ep=par.ep, micro_batch_size=t.micro_batch_size, grad_accum=cfg.grad_accum_steps,
-                    seq_len=t.seq_len,
-                    recompute=t.recompute, precision=t.precision, attention_fp32=on_cpu and t.precision == "bf16")
+    # attention in fp32 for bf16 on a CPU, as the trainer runs it (its device, not a config field)
+    layout = replace(cfg.layout, attention_fp32=on_cpu and t.precision == "bf16")
     fields = {"dp": par.dp, "tp": par.tp, "pp": par.pp, "zero": par.zero, "sp": par.sp, "mbs": t.micro_batch_size,
               "recompute": t.recompute}
     if check_layout(m, layout):

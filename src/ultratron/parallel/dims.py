@@ -51,14 +51,16 @@ class ParallelDims:
     owns_process_group: bool = field(default=False, repr=False, compare=False)  # init_distributed created it
 
     @classmethod
-    def from_config(cls, parallel_cfg) -> ParallelDims:
-        """Read the launch environment (torchrun's RANK / WORLD_SIZE / LOCAL_RANK, its restart count
-        and store) and check it. The one place the launch environment is read."""
+    def from_config(cls, layout) -> ParallelDims:
+        """The degrees of a `planning.layout.Layout` (the run's: `Config.layout`; its config section
+        `cfg.parallel` has the same fields), and the launch environment (torchrun's RANK /
+        WORLD_SIZE / LOCAL_RANK, its restart count and store), checked. The one place the launch
+        environment is read."""
         env = os.environ
         agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in env
-        dims = cls(dp=parallel_cfg.dp, tp=parallel_cfg.tp, pp=parallel_cfg.pp, cp=parallel_cfg.cp,
-                   ep=parallel_cfg.ep, dp_replicate=parallel_cfg.dp_replicate, zero=parallel_cfg.zero,
-                   sp=parallel_cfg.sp, world_size=int(env.get("WORLD_SIZE", "1")),
+        dims = cls(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
+                   dp_replicate=layout.dp_replicate, zero=layout.zero, sp=layout.sp,
+                   world_size=int(env.get("WORLD_SIZE", "1")),
                    rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
                    restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
                    agent_store=(env["MASTER_ADDR"], int(env.get("MASTER_PORT", "29500"))) if agent else None)

@@ -65,7 +65,7 @@ class TrainResult:
 class Trainer:
     def __init__(self, cfg: Config, echo: bool = True):
         self.cfg, t = cfg, cfg.training
-        self.dims = topology(cfg.parallel)
+        self.dims = topology(cfg.layout)
         self.run_dir = Path(cfg.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log = Reporter(self.run_dir, is_main=self.dims.is_main, tensorboard=cfg.run.tensorboard,
