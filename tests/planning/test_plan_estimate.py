@@ -53,11 +53,9 @@ def test_search_ranks_with_the_function_estimate_prints(capsys, tmp_path):
     assert code == 0
     for ranked in json.loads(out)["layouts"]:
         lay = ranked["layout"]
-        flags = [f"--{flag}={lay[k]}" for flag, k in (
-            ("dp", "dp"), ("zero", "zero"), ("tp", "tp"), ("pp", "pp"), ("virtual-stages", "pp_virtual_stages"),
-            ("cp", "cp"), ("mbs", "micro_batch_size"), ("grad-acc", "grad_accum"), ("seq", "seq_len"),
-            ("recompute", "recompute"), ("pp-schedule", "pp_schedule"))]
-        flags += ["--sp"] if lay["sp"] else []
+        # every layout field is a flag of the same name (a bool: --name / --no-name)
+        flags = [(f"--{k}" if v else f"--no-{k}") if isinstance(v, bool) else f"--{k}={v}"
+                 for k, v in ((k.replace("_", "-"), v) for k, v in lay.items()) if v is not None]
         alone = estimate_json(capsys, *flags)
         for key in ("peak_bytes", "step_seconds", "tokens_per_sec_per_gpu", "mfu", "time"):
             assert alone[key] == ranked[key], (ranked["describe"], key)

@@ -67,6 +67,15 @@ def test_static_bytes_follow_the_trainers_zero_stages():
     assert fp32 == pytest.approx(16 * psi)
 
 
+def test_hsdp_shards_within_a_replica_group():
+    """dp 8 as 2 replica groups of 4 (parallel.dp_replicate 2) holds what FSDP over 4 ranks holds."""
+    hsdp = estimate_memory(LLAMA8B, Layout(dp=8, dp_replicate=2, zero=3, seq_len=2048))
+    assert hsdp.static_bytes == pytest.approx(estimate_memory(LLAMA8B, Layout(dp=4, zero=3, seq_len=2048)).static_bytes)
+    assert hsdp.static_bytes > estimate_memory(LLAMA8B, Layout(dp=8, zero=3, seq_len=2048)).static_bytes
+    with pytest.raises(UserError, match="dp_replicate=2 .HSDP. shards within each replica group, so it needs zero"):
+        estimate_memory(LLAMA8B, Layout(dp=8, dp_replicate=2, zero=1))
+
+
 def test_tensor_and_pipeline_parallel_split_the_weights():
     counts = count_params_of(LLAMA8B)
     tp8 = estimate_memory(LLAMA8B, Layout(tp=8, seq_len=2048)).extra["params_on_gpu"]

@@ -133,3 +133,17 @@ def test_a_pipelined_layout_is_written_with_its_schedule_and_the_trainers_split(
 def test_bad_search_input():
     with pytest.raises(UserError, match="not a multiple of the sequence length"):
         search(SearchSpec(PRESETS["llama3-8b"], H100, 8, 8, 1000, 4096))
+
+
+def test_fixed_layout_fields_are_kept_and_the_rest_searched(tmp_path):
+    """`plan search --tp 2 --pp-balance params`: only layouts with tp 2, each with the stage balance
+    given (a field the search never varies is set, then the trainer's rules checked again)."""
+    free = search(spec_for("llama3-8b", 8), top=0)
+    fixed = search(spec_for("llama3-8b", 8, fixed={"tp": 2, "pp_balance": "params"}), top=0)
+    assert fixed.ranked and {e.layout.tp for e in fixed.ranked} == {2}
+    assert {e.layout.pp_balance for e in fixed.ranked} == {"params"}
+    assert 0 < fixed.considered < free.considered and "tp=2, pp_balance=params" in fixed.summary[0]
+    hsdp = search(spec_for("llama3-8b", 8, fixed={"dp": 8, "dp_replicate": 2}), top=0)
+    assert hsdp.ranked and all(e.layout.zero >= 2 for e in hsdp.ranked)  # HSDP's rule: the others dropped
+    none = search(spec_for("llama3-8b", 8, fixed={"tp": 3}))
+    assert none.best is None and "no layout for these GPUs and this batch has tp=3" in none.summary[-1]

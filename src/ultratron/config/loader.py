@@ -273,25 +273,34 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
-    """One flag per field of a flat settings dataclass (`--field-name`), typed, with its help and default."""
+def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *, unset: bool = False,
+                  text: bool = False, required: tuple[str, ...] = ()) -> None:
+    """One flag per field of a flat settings dataclass (`--field-name`, and the field's extra `flags`),
+    typed, with its help and default. `unset`: every default is None, so the caller tells a flag
+    given from one left out; `text`: values other than true/false stay text for the caller to parse
+    (comma lists, say, with `coerce`); `required`: fields that must be given."""
     hints = type_hints(cls)
     for f in dataclasses.fields(cls):
         base, _ = _base_type(hints[f.name])
         names = [_flag(f.name), *f.metadata.get("flags", ())]
-        required = f.default is MISSING and f.default_factory is MISSING
-        default = None if required else (f.default if f.default is not MISSING else f.default_factory())
-        text = f.metadata.get("help", "")
+        own_default = None if f.default is MISSING and f.default_factory is MISSING else (
+            f.default if f.default is not MISSING else f.default_factory())
+        must = f.name in required or (not unset and f.default is MISSING and f.default_factory is MISSING)
+        default = None if unset or must else own_default
+        text_help = f.metadata.get("help", "")
         if base is bool:
-            parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=text)
+            parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=text_help)
             continue
-        shown = "" if required or default in (None, "") else f" (default {default})"
-        kwargs: dict[str, Any] = {"dest": f.name, "help": text + shown, "required": required}
-        if not required:
-            kwargs["default"] = default
-        if base in (int, float):
+        shown = "" if must or unset or own_default in (None, "") else f" (default {own_default})"
+        if text and f.metadata.get("choices"):  # (argparse would list them, had it the values to check)
+            shown = f" ({', '.join(map(str, f.metadata['choices']))}){shown}"
+        kwargs: dict[str, Any] = {"dest": f.name, "help": text_help + shown, "required": must}
+        if not must:
+            kwargs["default"] = None if default is None else str(default) if text else default
+        if base in (int, float) and not text:
             kwargs["type"] = base
-        if f.metadata.get("choices"):
+        if f.metadata.get("choices") and not text:
             kwargs["choices"] = list(f.metadata["choices"])
         parser.add_argument(*names, **kwargs)
 

@@ -28,35 +28,19 @@ from ultratron.planning.layout import PARALLEL_FIELDS, STEP_FIELDS, Layout, chec
 from ultratron.planning.rules import config_name, shape_problems
 
 ROPE_SCALINGS = ("none", "linear", "llama3")
-ROUTER_SCORES = ("softmax", "sigmoid")
 # The numbers each RoPE scaling needs (Llama 3.1's config.json names them so).
 ROPE_SCALING_PARAMS = {"none": (), "linear": ("factor",),
                        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 @dataclass
+@take_fields(ModelShape, tuple(f.name for f in dataclasses.fields(ModelShape)), after="preset", optional=True)
 class ModelConfig:
-    # A preset fills every shape field left unset (None); explicit fields win over the preset.
+    """The shape fields (n_layers, dim, ... router_score) are `models.presets.ModelShape`'s, defined
+    there once. A preset fills every shape field left unset (None); explicit fields win over it."""
+
     preset: str | None = option("tiny", "a named shape (tiny, llama3-1b/3b/8b/70b/405b; mixtures of experts: moe-tiny, "
                                         "mixtral-8x7b, qwen3-30b-a3b, deepseek-v3-like); explicit fields win")
-    n_layers: int | None = option(None, "transformer blocks")
-    dim: int | None = option(None, "model width")
-    n_heads: int | None = option(None, "attention (query) heads")
-    n_kv_heads: int | None = option(None, "key/value heads (grouped-query attention)")
-    ffn_dim: int | None = option(None, "SwiGLU hidden width")
-    vocab_size: int | None = option(None, "vocabulary size (the tokenizer is trained to it)")
-    max_seq_len: int | None = option(None, "longest sequence (RoPE table size)")
-    tie_embeddings: bool | None = option(None, "share the embedding and output matrices")
-    rope_theta: float | None = option(None, "RoPE base")
-    head_dim: int | None = option(None, "attention head width; 0: dim / n_heads (Qwen3: 128 at width 2048, 32 heads)")
-    qk_norm: bool | None = option(None, "RMSNorm on queries and keys per head (OLMo 2, Gemma 3, Qwen3)")
-    n_experts: int | None = option(None, "mixture of experts: routed experts per layer; 0: dense SwiGLU layers")
-    n_active_experts: int | None = option(None, "routed experts each token goes to (top-k)")
-    n_shared_experts: int | None = option(None, "experts every token also passes through (DeepSeek-V3: 1)")
-    expert_ffn_dim: int | None = option(None, "each expert's SwiGLU width; 0: ffn_dim")
-    n_dense_layers: int | None = option(None, "the first N layers keep the dense SwiGLU of ffn_dim (DeepSeek-V3: 3)")
-    router_score: str | None = option(None, "router scores: softmax (Mixtral, Qwen3) or sigmoid (DeepSeek-V3)",
-                                      choices=ROUTER_SCORES)
     router_norm_topk: bool = option(True, "rescale the chosen experts' scores to sum to 1; false: raw scores")
     moe_aux_loss: float = option(0.01, "load-balancing loss α·E·Σ f_i·P_i (Switch Transformer: α 0.01); 0 disables")
     moe_bias_update: float = option(0.0, "DeepSeek-V3's balancing bias moves by this per step toward even load "
@@ -312,14 +296,6 @@ def resolve_model(model: ModelConfig) -> None:
         raise ConfigError(f"model.preset is none, so these must be set: {', '.join(missing)}")
 
 
-def _positive(cfg: Config) -> list[str]:
-    m = cfg.model
-    fields = {f"model.{n}": getattr(m, n) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim",
-                                                      "vocab_size", "max_seq_len")}
-    return [f"{name} must be positive, got {value}" for name, value in fields.items()
-            if value is not None and value <= 0]
-
-
 def rope_scaling_problems(m: ModelConfig) -> list[str]:
     if m.rope_scaling not in ROPE_SCALING_PARAMS:
         return []  # a choice problem, reported already
@@ -338,7 +314,7 @@ def rope_scaling_problems(m: ModelConfig) -> list[str]:
 
 def validate(cfg: Config) -> None:
     m, t, par, o = cfg.model, cfg.training, cfg.parallel, cfg.optim
-    p = choice_problems(cfg) + _positive(cfg)
+    p = choice_problems(cfg)
     if p:
         raise ConfigError(p)
     p += shape_problems(m) + rope_scaling_problems(m)

@@ -311,10 +311,12 @@ def _reasons(spec: SearchSpec, est: Estimate, bubble_fraction: float) -> list[st
                                                   ", which fits but runs slower at a smaller micro-batch"))
     if lay.zero:
         sharded = {1: "optimizer state", 2: "optimizer state and grads", 3: "all model states"}[lay.zero]
-        need = estimate_memory(spec.shape, replace(lay, zero=lay.zero - 1), spec.activation_model).peak_bytes
-        why = "does not fit" if need > spec.usable_bytes else "fits too; the step time is the same"
-        reasons.append(f"ZeRO-{lay.zero} shards {sharded} over {lay.shard_group} ranks "
-                       f"(ZeRO-{lay.zero - 1} would need {need / GiB:.1f} GiB: {why})")
+        lower = replace(lay, zero=lay.zero - 1)
+        refused = check_layout(spec.shape, lower)  # (HSDP needs ZeRO 2 or 3)
+        need = 0.0 if refused else estimate_memory(spec.shape, lower, spec.activation_model).peak_bytes
+        why = (f"the trainer refuses it: {refused[0]}" if refused else f"would need {need / GiB:.1f} GiB: "
+               + ("does not fit" if need > spec.usable_bytes else "fits too; the step time is the same"))
+        reasons.append(f"ZeRO-{lay.zero} shards {sharded} over {lay.shard_group} ranks (ZeRO-{lay.zero - 1} {why})")
     return reasons
 
 
