@@ -33,12 +33,10 @@ from ultratron.planning.rules import (
 
 PRECISIONS = ("bf16", "fp32")
 # Where each layout field lives in the trainer's config; `grad_accum` lives in neither (the config
-# derives it from training.batch_tokens), nor do the planner-only fields.
+# derives it from training.batch_tokens), nor do the planner's own two fields (see `Layout`).
 PARALLEL_FIELDS = ("dp", "dp_replicate", "zero", "tp", "sp", "pp", "pp_schedule", "pp_virtual_stages", "pp_split",
                    "pp_balance", "cp", "ep")
 STEP_FIELDS = ("micro_batch_size", "seq_len", "precision", "recompute")
-DERIVED_FIELDS = ("grad_accum",)
-PLANNER_ONLY_FIELDS = ("fp32_grad_accum", "attention_fp32")
 
 
 @dataclass(frozen=True)
