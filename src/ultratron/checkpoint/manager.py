@@ -126,9 +126,6 @@ class PendingSave:
         self._staged = staged  # done once the tensors are copied out (None: copied before returning)
         self._outcome: SaveOutcome | None = None
 
-    def done(self) -> bool:
-        return self._future.done()
-
     def wait_staged(self) -> None:
         """Block until the tensors being saved have been copied to host memory, after which the
         weights and optimizer state may change again. A failed copy shows in `wait()`'s outcome."""
