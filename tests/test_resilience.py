@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from conftest import Counter
-from ultratron.checkpoint.manager import Checkpointer, ModelState, read_checkpoint
+from ultratron.checkpoint.checkpointer import Checkpointer
+from ultratron.checkpoint.manager import ModelState, read_checkpoint
 from ultratron.config import load_config
 from ultratron.errors import CheckpointError, TrainingError
 from ultratron.training.metrics import read_metrics

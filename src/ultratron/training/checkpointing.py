@@ -13,14 +13,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ultratron.checkpoint.manager import (
-    Checkpointer,
-    ModelState,
-    SaveOutcome,
-    holds_run_state,
-    resolve_checkpoint_dir,
-)
+from ultratron.checkpoint.checkpointer import Checkpointer
+from ultratron.checkpoint.manager import ModelState, SaveOutcome, holds_run_state
 from ultratron.checkpoint.storage import Location
+from ultratron.checkpoint.store import resolve_checkpoint_dir
 from ultratron.data.tokenizer import Tokenizer
 from ultratron.errors import CheckpointError, CheckpointStorageError
 from ultratron.training.metrics import truncate_metrics
