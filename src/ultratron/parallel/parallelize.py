@@ -14,10 +14,10 @@ import contextlib
 
 from torch import nn
 
+from ultratron.kernels.cpu_linear import apply_cpu_linear
 from ultratron.models.registry import plan_of
 from ultratron.parallel.compile import apply_compile
 from ultratron.parallel.context_parallel import apply_context_parallel, sharded
-from ultratron.parallel.cpu_linear import apply_cpu_linear
 from ultratron.parallel.data_parallel import apply_data_parallel, gradient_sync
 from ultratron.parallel.dims import ParallelDims
 from ultratron.parallel.expert_parallel import apply_expert_parallel, expert_params, reduce_expert_grads

@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ultratron.kernels.cpu_linear import onednn_linear
 from ultratron.models.plan import ParallelPlan
-from ultratron.parallel.cpu_linear import onednn_linear
 
 _SAVED_OPS = {
     torch.ops.aten.mm.default,
