@@ -47,10 +47,6 @@ class PeriodicEvaluator:
     def enabled(self) -> bool:
         return self.interval > 0
 
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
     def _launch(self, step: int, model, files: dict[str, str], checkpoint: Path | None) -> None:
         """Start an evaluation of `model` at `step`, unless one is still running (then it is skipped)."""
         if self._proc is not None:
