@@ -9,7 +9,8 @@ import uuid
 import pytest
 import torch
 
-from ultratron.checkpoint.manager import Checkpointer, ModelState
+from ultratron.checkpoint.checkpointer import Checkpointer
+from ultratron.checkpoint.manager import ModelState
 from ultratron.config import load_config
 from ultratron.training.metrics import read_metrics
 from ultratron.training.trainer import train

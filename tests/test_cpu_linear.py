@@ -8,8 +8,8 @@ from torch import nn
 
 from ultratron.config import load_config
 from ultratron.errors import ConfigError
+from ultratron.kernels.cpu_linear import OneDNNLinear, apply_cpu_linear, onednn_linear, probe
 from ultratron.models.llama import build_model
-from ultratron.parallel.cpu_linear import OneDNNLinear, apply_cpu_linear, onednn_linear, probe
 from ultratron.training.metrics import read_metrics
 from ultratron.training.trainer import Trainer, train
 
@@ -59,13 +59,13 @@ def test_swap_keeps_the_state_and_steps_aside_where_it_does_not_apply(tiny_overr
     assert type(with_bias) is nn.Linear  # only bias-free layers change
 
 
-def test_onednn_refuses_with_a_reason_and_auto_or_aten_leave_the_model_alone(tiny_overrides):
+def test_onednn_refuses_with_a_reason_and_aten_leaves_the_model_alone(tiny_overrides):
     cfg = load_config(None, tiny_overrides)
     model = build_model(cfg.model, torch.device("cpu"))
     with pytest.raises(ConfigError, match="training.cpu_linear = onednn: tensor parallel"):
         apply_cpu_linear(model, "onednn", tp=2)
-    for mode, tp in (("auto", 2), ("aten", 1)):
-        apply_cpu_linear(model, mode, tp=tp)
+    for tp in (1, 2):
+        apply_cpu_linear(model, "aten", tp=tp)
         assert not any(type(m) is OneDNNLinear for m in model.modules())
 
 
@@ -80,6 +80,7 @@ def test_training_with_onednn_equals_aten_within_1e_4(tiny_overrides, tmp_path):
     for aten, ours in zip(losses["aten"], losses["onednn"], strict=True):
         assert abs(ours - aten) <= 1e-4 * abs(aten), losses
     assert losses["onednn"][-1] < losses["onednn"][0]
-    # the trainer's default (auto) takes it on this CPU
-    trainer = Trainer(load_config(None, tiny_overrides + ["--run.dir", str(tmp_path / "auto")]), echo=False)
-    assert any(type(m) is OneDNNLinear for m in trainer.model.modules())
+    # opt-in: the trainer's default keeps torch's kernel
+    trainer = Trainer(load_config(None, tiny_overrides + ["--run.dir", str(tmp_path / "default")]), echo=False)
+    assert trainer.cfg.training.cpu_linear == "aten"
+    assert not any(type(m) is OneDNNLinear for m in trainer.model.modules())

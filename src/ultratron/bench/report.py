@@ -16,6 +16,7 @@ import io
 import os
 from pathlib import Path
 
+from ultratron import atomic
 from ultratron.bench.cells import Cell
 from ultratron.bench.run import Sweep, read_result
 from ultratron.planning.hardware import Accelerator, get_accelerator
@@ -101,12 +102,6 @@ def rows(sweep: Sweep, gpu: str) -> list[dict]:
     return out
 
 
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    tmp.replace(path)
-
-
 def _csv(table: list[dict]) -> str:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=COLUMNS)
@@ -173,7 +168,8 @@ def heatmap(path: Path, table: list[dict], title: str) -> None:
         ax.set_title(f"{model}, pp={pp}: MFU", fontsize=9)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    _atomic(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    with atomic.atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
 
 
@@ -181,7 +177,7 @@ def write_reports(sweep: Sweep, gpu: str) -> dict[str, Path]:
     """sweep.csv, sweep.md and sweep.png in the sweep directory, from every cell's result so far."""
     table = rows(sweep, gpu)
     paths = {"csv": sweep.root / "sweep.csv", "markdown": sweep.root / "sweep.md", "heatmap": sweep.root / "sweep.png"}
-    _atomic(paths["csv"], lambda tmp: tmp.write_text(_csv(table), encoding="utf-8"))
-    _atomic(paths["markdown"], lambda tmp: tmp.write_text(markdown(table, gpu), encoding="utf-8"))
+    atomic.write_text(paths["csv"], _csv(table))
+    atomic.write_text(paths["markdown"], markdown(table, gpu))
     heatmap(paths["heatmap"], table, f"{sweep.root.name}: measured MFU, planner's prediction and error")
     return paths

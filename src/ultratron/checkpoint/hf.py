@@ -22,12 +22,11 @@ training only, so an exported model routes as ours evaluates.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 
+from ultratron.atomic import atomic_path
 from ultratron.errors import ExportError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -173,25 +172,21 @@ def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "float32") -> 
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out} exists and is not empty; choose a new --out directory")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     tensors = hf_state_dict(state, args, DTYPES[dtype])
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    write_json = lambda name, data: (tmp / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    bos = tokenizer.bos_token
-    bos_id = None if bos is None else tokenizer.hf.token_to_id(bos)
-    write_json("config.json", hf_config(args, tokenizer.eos_id, dtype, bos_id))
-    write_json("generation_config.json", {"eos_token_id": tokenizer.eos_id, "bos_token_id": bos_id})
-    (tmp / "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
-    write_json("tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eos_token, "bos_token": bos,
-        "pad_token": None, "unk_token": None, "model_max_length": args.max_seq_len,
-        "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False,
-        **({"chat_template": tokenizer.chat_template} if tokenizer.chat_template else {})})
-    write_json("special_tokens_map.json", {"eos_token": tokenizer.eos_token,
-                                           **({"bos_token": bos} if bos else {})})
-    if out.exists():
-        out.rmdir()
-    os.replace(tmp, out)
+    with atomic_path(out) as tmp:  # the directory appears whole (replacing an empty `out`) or not at all
+        tmp.mkdir()
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_json = lambda name, data: (tmp / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        bos = tokenizer.bos_token
+        bos_id = None if bos is None else tokenizer.hf.token_to_id(bos)
+        write_json("config.json", hf_config(args, tokenizer.eos_id, dtype, bos_id))
+        write_json("generation_config.json", {"eos_token_id": tokenizer.eos_id, "bos_token_id": bos_id})
+        (tmp / "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
+        write_json("tokenizer_config.json", {
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eos_token, "bos_token": bos,
+            "pad_token": None, "unk_token": None, "model_max_length": args.max_seq_len,
+            "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False,
+            **({"chat_template": tokenizer.chat_template} if tokenizer.chat_template else {})})
+        write_json("special_tokens_map.json", {"eos_token": tokenizer.eos_token,
+                                               **({"bos_token": bos} if bos else {})})
     return out

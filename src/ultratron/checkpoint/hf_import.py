@@ -5,7 +5,7 @@ ours, and each head's q/k rows permuted back from HF's rotate-half layout to our
 pairs. The weights stream tensor by tensor from the safetensors files (one file, or the shards a
 `model.safetensors.index.json` lists) into the checkpoint: a DCP save planner reads each tensor
 only when it is written, so a model larger than memory imports in a tensor's worth of memory.
-The checkpoint is written by `manager.write_checkpoint`, the one save path.
+The checkpoint is written by `manager.CheckpointWriter`, the one save path.
 
 What does not map onto our Llama is refused, every problem listed: other architectures, biases
 other than Qwen2's q/k/v ones, an explicit head_dim other than hidden_size / heads, RoPE scaling
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ultratron.checkpoint.hf import LAYER_NAMES
-from ultratron.checkpoint.manager import write_checkpoint
+from ultratron.checkpoint.manager import CheckpointWriter, WriteOptions
 from ultratron.checkpoint.state import ModelState
 from ultratron.checkpoint.store import CheckpointRoot
 from ultratron.config import Config, load_config, to_toml
@@ -307,10 +307,9 @@ def import_hf(model_dir: str | Path, out_dir: str | Path, max_seq_len: int | Non
              "imported_from.json": json.dumps({"source": str(Path(model_dir).resolve()),
                                                "architectures": hf_model.hf_config.get("architectures")}) + "\n"}
     try:
-        final = write_checkpoint(root.path_for(0), 0, state, None, files, root=root,
-                                 planner=_StreamingPlanner(source)).result()
+        writer = CheckpointWriter(root, on_commit=root.point_latest)
+        final = writer.write(0, state, files=files, options=WriteOptions(planner=_StreamingPlanner(source))).result()
     finally:
         source.close()
-    root.point_latest(final)
     (out / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
     return final

@@ -20,6 +20,7 @@ from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from types import SimpleNamespace
 
+from ultratron import atomic
 from ultratron.cli.plan_output import gib, human, stacked_bars, table, varying_labels, wrap
 from ultratron.errors import UserError
 from ultratron.models.presets import PRESETS, ModelShape
@@ -389,9 +390,7 @@ def run_search(args) -> int:
     wrote = None
     if result.best and args.out != "-":
         path = Path(args.out)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(config_toml(spec, result.best, args.model))
-        tmp.replace(path)
+        atomic.write_text(path, config_toml(spec, result.best, args.model))
         wrote = str(path)
     if args.json:
         print(json.dumps({"summary": result.summary, "considered": result.considered, "too_big": result.too_big,
