@@ -41,21 +41,26 @@ def test_swap_keeps_the_state_and_steps_aside_where_it_does_not_apply(tiny_overr
     cfg = load_config(None, tiny_overrides)
     model = build_model(cfg.model, torch.device("cpu"))
     names = {k: v.clone() for k, v in model.state_dict().items()}
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    weights = {name: m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     apply_cpu_linear(model, "onednn", tp=1)
-    assert linears and all(type(m) is OneDNNLinear for m in linears)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert linears.keys() == weights.keys() and all(type(m) is OneDNNLinear for m in linears.values())
+    # each new layer holds the old one's own parameter: optimizer, tied weights and names unchanged
+    assert all(linears[name].weight is weight for name, weight in weights.items())
+    if cfg.model.tie_embeddings:
+        assert model.output.weight is model.tok_embeddings.weight
     assert model.state_dict().keys() == names.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in names.items())
-    layer = linears[0]
+    layer = next(iter(linears.values()))
     x = torch.randn(2, 5, layer.in_features)
     assert _close(layer(x), F.linear(x, layer.weight))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 autocast: torch's own (bf16) linear
         assert layer(x).dtype == torch.bfloat16
-    as_double = nn.Linear(layer.in_features, 3, bias=False).double()
-    apply_cpu_linear(nn.Sequential(as_double), "onednn", tp=1)
+    as_double = apply_cpu_linear(nn.Sequential(nn.Linear(layer.in_features, 3, bias=False).double()), "onednn",
+                                 tp=1)[0]
+    assert type(as_double) is OneDNNLinear
     assert _close(as_double(x.double()), F.linear(x.double(), as_double.weight), tol=1e-12)  # other dtypes: F.linear
-    with_bias = nn.Linear(8, 4)
-    apply_cpu_linear(nn.Sequential(with_bias), "onednn", tp=1)
+    with_bias = apply_cpu_linear(nn.Sequential(nn.Linear(8, 4)), "onednn", tp=1)[0]
     assert type(with_bias) is nn.Linear  # only bias-free layers change
 
 
