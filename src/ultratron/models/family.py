@@ -1,0 +1,54 @@
+"""What a model family hands the rest of ultratron besides its model and parallel plan: how it maps onto
+Hugging Face's format (`HFAdapter`, in models/FAMILY/hf_adapter.py) and its planning formulas
+(`PlanningSpec`, in models/FAMILY/spec.py). Plain data and callables, no torch, so the torch-free
+planner can hold a `PlanningSpec`; `models/registry.py` (torch) and `models/specs.py` (no torch) list
+each family's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class HFTensors:
+    """One of our tensors and the Hugging Face tensors it is made of, both ways: `to_hf` turns ours
+    into theirs (in the order of `hf`), `from_hf` theirs into ours. `hf` is empty for a tensor of
+    ours Hugging Face does not hold (made by `from_hf([])`, never exported)."""
+
+    hf: tuple[str, ...]
+    to_hf: Callable  # tensor → list of tensors
+    from_hf: Callable  # list of tensors → tensor
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """A family's map onto Hugging Face's format, both ways. The I/O around it (safetensors,
+    tokenizer files, the streaming import) lives in `ultratron.checkpoint.hf` and `hf_import`."""
+
+    # model_type in config.json → the transformers class, for every architecture the family can hold
+    architectures: dict[str, str]
+    # config.json (and an optional context limit) → (our ModelConfig fields, every reason it does not map)
+    config_from_hf: Callable[[dict, int | None], tuple[dict, list[str]]]
+    # the model's args → config.json's model fields (architecture, shape, routing)
+    hf_config: Callable[[object], dict]
+    # (the model's args, its state dict) → every reason Hugging Face's classes cannot hold it
+    export_problems: Callable[[object, dict], list[str]]
+    # the model's args → our tensor name → HFTensors (every tensor of our state dict)
+    weight_map: Callable[[object], dict[str, HFTensors]]
+    # the args of a model built from a (possibly unresolved) ModelConfig
+    args_from_config: Callable[[object], object]
+    # model_type of a class that looks like the family's but that it cannot hold → why (one line)
+    refused: dict[str, str] = field(default_factory=dict)
+    # HF tensors a checkpoint may hold that the family recomputes or ties (ignored on import)
+    ignored: Callable[[object], set[str]] = lambda args: set()
+
+
+@dataclass(frozen=True)
+class PlanningSpec:
+    """A family's planning formulas, torch-free, on anything with its model fields (a preset's
+    ModelShape or a resolved ModelConfig)."""
+
+    count_params: Callable  # model fields → `ParamCounts`
+    flops_per_token: Callable  # (model fields, seq_len) → training FLOPs per token (forward + backward)
