@@ -75,7 +75,7 @@ def test_a_snapshot_written_from_a_model_loads_for_inference(tmp_path):
     from ultratron.checkpoint.manager import snapshot
     from ultratron.config import load_config, to_toml
     from ultratron.data.tokenizer import train_tokenizer
-    from ultratron.models.llama import build_model
+    from ultratron.models.registry import build_model
 
     cfg = load_config(None, TINY)
     model = build_model(cfg.model)

@@ -181,7 +181,7 @@ def test_what_does_not_map_is_refused_with_every_reason(tmp_path, small_corpus):
     fields, problems = map_config({**base, "model_type": "mistral", "sliding_window": 64,
                                    "max_position_embeddings": 256}, max_seq_len=64)
     assert not problems and fields["max_seq_len"] == 64
-    assert "not a Llama-family" in map_config({"model_type": "gpt2"})[1][0]
+    assert "not a model ultratron can hold" in map_config({"model_type": "gpt2"})[1][0]
     # a directory with an extra tensor and no tokenizer: both reasons, one line each, and nothing written
     hf_dir = tmp_path / "hf"
     _hf_model(hf_dir, small_corpus, tie=True)

@@ -19,8 +19,7 @@ import torch
 
 from ultratron.config import ModelConfig
 from ultratron.config.training import OptimConfig
-from ultratron.models.llama.model import build_model
-from ultratron.models.registry import plan_of
+from ultratron.models.registry import build_model, plan_of
 from ultratron.parallel.cpu_linear import apply_cpu_linear, probe
 from ultratron.parallel.memory import AllocatedBytes
 from ultratron.parallel.recompute import apply_recompute

@@ -17,23 +17,18 @@ from pathlib import Path
 import torch
 
 from ultratron.errors import ExportError
-from ultratron.models.llama.hf_adapter import ADAPTER
+from ultratron.models.family import HFAdapter
+from ultratron.models.registry import hf_adapter_of, model_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_exportable(args, state: dict | None = None, adapter=ADAPTER) -> None:
-    problems = adapter.export_problems(args, state or {})
-    if problems:
-        raise ExportError(problems)
-
-
-def hf_config(args, eos_id: int, dtype: str, bos_id: int | None = None, adapter=ADAPTER) -> dict:
+def hf_config(adapter: HFAdapter, args, eos_id: int, dtype: str, bos_id: int | None = None) -> dict:
     return adapter.hf_config(args) | {"bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": dtype,
                                       "dtype": dtype}
 
 
-def hf_state_dict(state: dict, args, dtype: torch.dtype = torch.float32, adapter=ADAPTER) -> dict[str, torch.Tensor]:
+def hf_state_dict(adapter: HFAdapter, state: dict, args, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Our tensors → the transformers ones, by the family's weight map (a tied head is the embedding)."""
     out = {}
     for ours, tensors in adapter.weight_map(args).items():
@@ -45,9 +40,11 @@ def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "float32") -> 
     """Write a Hugging Face model directory for `model` (an ultratron model) and its tokenizer."""
     from safetensors.torch import save_file
 
-    args = model.args
+    adapter, args = hf_adapter_of(model), model_args(model)
     state = model.state_dict()
-    check_exportable(args, state)
+    problems = adapter.export_problems(args, state)
+    if problems:
+        raise ExportError(problems)
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     out = Path(out_dir)
@@ -57,12 +54,12 @@ def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "float32") -> 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    tensors = hf_state_dict(state, args, DTYPES[dtype])
+    tensors = hf_state_dict(adapter, state, args, DTYPES[dtype])
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     write_json = lambda name, data: (tmp / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     bos = tokenizer.bos_token
     bos_id = None if bos is None else tokenizer.hf.token_to_id(bos)
-    write_json("config.json", hf_config(args, tokenizer.eos_id, dtype, bos_id))
+    write_json("config.json", hf_config(adapter, args, tokenizer.eos_id, dtype, bos_id))
     write_json("generation_config.json", {"eos_token_id": tokenizer.eos_id, "bos_token_id": bos_id})
     (tmp / "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
     write_json("tokenizer_config.json", {

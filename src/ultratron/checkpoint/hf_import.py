@@ -35,9 +35,8 @@ from ultratron.config.loader import apply_tables
 from ultratron.config.training import ModelConfig
 from ultratron.data.tokenizer import Tokenizer
 from ultratron.errors import CheckpointError
-from ultratron.models.family import HFTensors
-from ultratron.models.llama import build_model
-from ultratron.models.llama.hf_adapter import ADAPTER
+from ultratron.models.family import HFAdapter, HFTensors
+from ultratron.models.registry import build_model, hf_architectures, hf_family
 
 
 def _read_json(path: Path) -> dict:
@@ -51,8 +50,14 @@ def _read_json(path: Path) -> dict:
 
 
 def map_config(hf: dict, max_seq_len: int | None = None) -> tuple[dict, list[str]]:
-    """ModelConfig fields for a Hugging Face config.json, and every reason it does not map."""
-    return ADAPTER.config_from_hf(hf, max_seq_len)
+    """ModelConfig fields for a Hugging Face config.json (by the family that holds its model_type), and
+    every reason it does not map."""
+    family = hf_family(hf.get("model_type"))
+    if family is None:
+        return {}, [f"model_type {hf.get('model_type')!r} is not a model ultratron can hold "
+                    f"(supported: {', '.join(hf_architectures())})"]
+    fields, problems = family.hf.config_from_hf(hf, max_seq_len)
+    return (fields and {**fields, "family": family.name}), problems
 
 
 def _tensor_files(root: Path) -> tuple[dict[str, Path], list[str]]:
@@ -121,10 +126,11 @@ def inspect_hf(model_dir: str | Path, max_seq_len: int | None = None) -> HFModel
     tokenizer, tok_problems = _tokenizer(root, hf)
     problems += file_problems + tok_problems
     model = ModelConfig(**mapped)
-    args = ADAPTER.args_from_config(model)
-    tensors = ADAPTER.weight_map(args)
+    adapter: HFAdapter = hf_family(hf["model_type"]).hf
+    args = adapter.args_from_config(model)
+    tensors = adapter.weight_map(args)
     names = {name for t in tensors.values() for name in t.hf}
-    present = set(files) - ADAPTER.ignored(args)
+    present = set(files) - adapter.ignored(args)
     problems += [f"tensor {n} is missing" for n in sorted(names - present) if files]
     extra = sorted(present - names)
     problems += [f"tensor {n} has no place in ultratron's {hf['model_type']} model" for n in extra[:10]]

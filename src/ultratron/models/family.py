@@ -46,9 +46,51 @@ class HFAdapter:
 
 
 @dataclass(frozen=True)
+class ParamCounts:
+    """A model's parameters by part, as a family's `PlanningSpec.count_params` counts them."""
+
+    embedding: int
+    output: int  # 0 when tied to the embedding
+    per_layer: int  # a dense layer (attention, SwiGLU, norms)
+    n_layers: int  # every layer, dense and mixture-of-experts
+    final_norm: int
+    moe_layer: int = 0  # a mixture-of-experts layer: attention, norms, router, routed and shared experts
+    routed_experts: int = 0  # of which the routed experts (what expert parallelism shards)
+    active_experts: int = 0  # of which one token's k routed experts
+    n_moe_layers: int = 0
+
+    @property
+    def n_dense_layers(self) -> int:
+        return self.n_layers - self.n_moe_layers
+
+    @property
+    def layers(self) -> int:
+        return self.per_layer * self.n_dense_layers + self.moe_layer * self.n_moe_layers
+
+    @property
+    def active_layers(self) -> int:
+        """Layer parameters one token computes with (the k routed experts of each MoE layer)."""
+        return self.layers - (self.routed_experts - self.active_experts) * self.n_moe_layers
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.output + self.layers + self.final_norm
+
+    @property
+    def active(self) -> int:
+        return self.total - self.layers + self.active_layers
+
+    @property
+    def mean_layer(self) -> float:
+        """Parameters of the average layer (a stage's share when dense and MoE layers mix)."""
+        return self.layers / self.n_layers
+
+
+@dataclass(frozen=True)
 class PlanningSpec:
     """A family's planning formulas, torch-free, on anything with its model fields (a preset's
     ModelShape or a resolved ModelConfig)."""
 
-    count_params: Callable  # model fields → `ParamCounts`
-    flops_per_token: Callable  # (model fields, seq_len) → training FLOPs per token (forward + backward)
+    count_params: Callable[[object], ParamCounts]  # model fields → its parameters by part
+    # (model fields, sequence length) → model FLOPs per trained token (forward + backward, no recompute)
+    flops_per_token: Callable[[object, int], float]
