@@ -111,7 +111,8 @@ def _tokenizer(root: Path, hf: dict) -> tuple[Tokenizer | None, list[str]]:
 
 
 def inspect_hf(model_dir: str | Path, max_seq_len: int | None = None) -> HFModel:
-    """Check a Hugging Face directory against ultratron's Llama; CheckpointError lists every problem."""
+    """Check a Hugging Face directory against the family that holds its model_type; CheckpointError lists
+    every problem."""
     root = Path(model_dir)
     if not (root / "config.json").is_file():
         raise CheckpointError(f"{root}: not a Hugging Face model directory (no config.json)")
