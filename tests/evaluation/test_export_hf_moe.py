@@ -73,6 +73,7 @@ def test_routings_the_hf_classes_lack_are_refused_with_every_reason(tmp_path, tr
     with pytest.raises(ExportError) as info:
         export_hf(model, Tokenizer.load(trained_checkpoint / "tokenizer.json"), tmp_path / "bad")
     text = str(info.value)
-    for reason in ("no shared experts", "route by softmax", "Mixtral has no dense layers", "routing bias"):
+    for reason in ("no shared experts", "route by softmax", "Mixtral has no dense layers", "routing bias",
+                   "multi-head latent attention"):
         assert reason in text, text
     assert not (tmp_path / "bad").exists()

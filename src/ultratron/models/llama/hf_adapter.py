@@ -190,6 +190,9 @@ def _moe_problems(args: LlamaArgs, state: dict) -> list[str]:
                        ("final_softcap", "a logit soft-cap")):
         if getattr(args, name):
             problems.append(f"model.{name}={getattr(args, name)}: Mixtral and Qwen3-MoE have no {what}")
+    if args.n_shared_experts or args.router_score == "sigmoid":
+        problems.append("DeepSeek-V3's class has shared experts and sigmoid routing, but its attention is multi-head "
+                        "latent attention, which ultratron does not implement")
     return [f"cannot export this mixture of experts to Hugging Face: {p}" for p in problems]
 
 
