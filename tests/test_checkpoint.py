@@ -77,7 +77,7 @@ def test_a_snapshot_written_from_a_model_or_linked_from_a_checkpoint_loads_for_i
     from ultratron.checkpoint.inference import load_for_inference
     from ultratron.config import load_config, to_toml
     from ultratron.data.tokenizer import train_tokenizer
-    from ultratron.models.llama import build_model
+    from ultratron.models.registry import build_model
 
     cfg = load_config(None, TINY)
     model = build_model(cfg.model)

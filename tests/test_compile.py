@@ -25,8 +25,7 @@ def test_compile_wraps_each_block_and_checkpoint_names_stay_plain(tiny_overrides
     import torch
 
     from ultratron.checkpoint.state import ModelState
-    from ultratron.models.llama.model import build_model
-    from ultratron.models.registry import plan_of
+    from ultratron.models.registry import build_model, plan_of
     from ultratron.parallel.compile import apply_compile
 
     model = build_model(load_config(None, tiny_overrides).model, torch.device("cpu"))

@@ -9,7 +9,7 @@ from torch import nn
 from ultratron.config import load_config
 from ultratron.errors import ConfigError
 from ultratron.kernels.cpu_linear import OneDNNLinear, apply_cpu_linear, onednn_linear, probe
-from ultratron.models.llama import build_model
+from ultratron.models.registry import build_model
 from ultratron.training.metrics import read_metrics
 from ultratron.training.trainer import Trainer, train
 

@@ -145,7 +145,7 @@ def test_a_pipeline_checkpoint_loads_for_inference_in_one_process(four_rank_runs
     import torch
 
     from ultratron.checkpoint.inference import load_for_inference
-    from ultratron.models.llama import build_model
+    from ultratron.models.registry import build_model
     from ultratron.training.trainer import Trainer
 
     ckpt = four_rank_runs[saved_by, "fp32"] / "checkpoints" / f"step-{SAVE_AT:07d}"

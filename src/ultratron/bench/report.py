@@ -42,9 +42,8 @@ def _accelerator(gpu: str, result: dict, flops_per_token: float) -> Accelerator 
 def predict(sweep: Sweep, cell: Cell, result: dict, gpu: str) -> dict:
     """The planner's figures for a cell that has a config (an empty dict where it has none)."""
     from ultratron.config import load_config
-    from ultratron.planning.flops import training_flops_per_token
+    from ultratron.planning.flops import flops_per_token_of
     from ultratron.planning.memory import Layout, check_layout
-    from ultratron.planning.params import count_params_of
     from ultratron.planning.search import SearchSpec, estimate_step
 
     path = sweep.cell_dir(cell) / "config.toml"
@@ -61,8 +60,7 @@ def predict(sweep: Sweep, cell: Cell, result: dict, gpu: str) -> dict:
               "recompute": t.recompute}
     if check_layout(m, layout):
         return fields
-    flops = training_flops_per_token(count_params_of(m), vocab_size=m.vocab_size, dim=m.dim, n_layers=m.n_layers,
-                                     seq_len=t.seq_len)
+    flops = flops_per_token_of(m, t.seq_len)
     acc = _accelerator(gpu, result, flops)
     if acc is None or t.precision not in acc.flops:
         from ultratron.planning.memory import estimate_memory

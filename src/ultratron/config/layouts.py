@@ -16,7 +16,7 @@ def layout_config(spec: SearchSpec, layout: Layout, preset: str | None = None):
     for name in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings"):
         setattr(model, name, getattr(spec.shape, name))
     for name in ("head_dim", "qk_norm", "n_experts", "n_active_experts", "n_shared_experts", "expert_ffn_dim",
-                 "n_dense_layers", "router_score"):  # (absent from a custom shape: the preset's or the default)
+                 "n_dense_layers", "router_score", "family"):  # (absent from a custom shape: the preset's or default)
         if getattr(spec.shape, name, None) is not None:
             setattr(model, name, getattr(spec.shape, name))
     model.max_seq_len = max(layout.seq, getattr(spec.shape, "max_seq_len", 0) or 0)

@@ -26,6 +26,7 @@ from ultratron.config.training_rules import parallel_problems, profile_problems,
 from ultratron.data.mixture_spec import parse_mixture
 from ultratron.errors import ConfigError
 from ultratron.models.presets import PRESETS, ModelShape
+from ultratron.models.specs import SPECS as FAMILIES
 from ultratron.planning.pipeline import BALANCES, SCHEDULES
 from ultratron.planning.rules import (
     layout_problems,
@@ -63,6 +64,9 @@ class ModelConfig:
     n_dense_layers: int | None = option(None, "the first N layers keep the dense SwiGLU of ffn_dim (DeepSeek-V3: 3)")
     router_score: str | None = option(None, "router scores: softmax (Mixtral, Qwen3) or sigmoid (DeepSeek-V3)",
                                       choices=ROUTER_SCORES)
+    family: str | None = option(None, "model family: the folder models/FAMILY/ that builds it (llama: Llama, "
+                                      "Mistral, Qwen2/3, Mixtral, Qwen3-MoE and DeepSeek-V3-like shapes)",
+                                choices=FAMILIES)
     router_norm_topk: bool = option(True, "rescale the chosen experts' scores to sum to 1; false: raw scores")
     moe_aux_loss: float = option(0.01, "load-balancing loss α·E·Σ f_i·P_i (Switch Transformer: α 0.01); 0 disables")
     moe_bias_update: float = option(0.0, "DeepSeek-V3's balancing bias moves by this per step toward even load "

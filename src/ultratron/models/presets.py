@@ -26,6 +26,7 @@ class ModelShape:
     expert_ffn_dim: int = 0  # each expert's SwiGLU width; 0: ffn_dim
     n_dense_layers: int = 0  # the first layers keep the dense SwiGLU (DeepSeek-V3: 3)
     router_score: str = "softmax"  # softmax (Mixtral, Qwen3) or sigmoid (DeepSeek-V3)
+    family: str = "llama"  # the model family (models/FAMILY/, listed in models/registry.py) that builds it
 
     @property
     def is_moe(self) -> bool:

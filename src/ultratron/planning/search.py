@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from ultratron.errors import UserError
 from ultratron.planning import rules
 from ultratron.planning.experts import all_to_all_seconds, is_moe
-from ultratron.planning.flops import training_flops_per_token
+from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.hardware import Accelerator
 from ultratron.planning.memory import GiB, Layout, MemoryBreakdown, check_layout, estimate_memory
 from ultratron.planning.params import count_params_of
@@ -197,10 +197,8 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     docstring: the one function `plan estimate` prints and `plan search` ranks by."""
     shape, acc = spec.shape, spec.accelerator
     memory = memory or estimate_memory(shape, layout, spec.activation_model)
-    counts = count_params_of(shape)
     peak = acc.flops[spec.precision]
-    model_flops_per_token = training_flops_per_token(
-        counts, vocab_size=shape.vocab_size, dim=shape.dim, n_layers=shape.n_layers, seq_len=layout.seq)
+    model_flops_per_token = flops_per_token_of(shape, layout.seq)
     hardware_factor = {"none": 1.0, "selective": 1.0 + SELECTIVE_RECOMPUTE_OVERHEAD, "full": 4 / 3}[
         layout.recompute]
     tokens = spec.global_batch_tokens
