@@ -26,7 +26,7 @@ DERIVED_BY_THE_CONFIG = {"grad_accum"}  # from training.batch_tokens
 PLANNER_ONLY = {"fp32_grad_accum", "attention_fp32"}  # (why: Layout's docstring)
 SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings", "rope_theta",
                 "max_seq_len", "head_dim", "qk_norm", "n_experts", "n_active_experts", "n_shared_experts",
-                "expert_ffn_dim", "n_dense_layers", "router_score")
+                "expert_ffn_dim", "n_dense_layers", "router_score", "family")
 PLAN_COMMANDS = ("memory", "estimate", "search")
 
 

@@ -7,9 +7,8 @@ import pytest
 
 from ultratron.cli import main
 from ultratron.models.presets import PRESETS
-from ultratron.planning.flops import training_flops_per_token
+from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.memory import MemoryBreakdown
-from ultratron.planning.params import count_params_of
 
 H100_BF16 = 989.4e12
 
@@ -36,8 +35,7 @@ def test_estimate_json_has_the_numbers_and_their_terms(capsys):
                                                                          "pp_comm_s", "bubble_s", "dp_exposed_s")))
     assert data["tokens_per_sec_per_gpu"] == pytest.approx(data["batch_tokens"] / data["step_seconds"] / 8)
     shape = PRESETS["llama3-8b"]
-    flops = training_flops_per_token(count_params_of(shape), vocab_size=shape.vocab_size, dim=shape.dim,
-                                     n_layers=shape.n_layers, seq_len=8192)
+    flops = flops_per_token_of(shape, 8192)
     assert data["mfu"] == pytest.approx(data["tokens_per_sec_per_gpu"] * flops / H100_BF16)
     # compute by hand: global tokens × FLOPs/token × 1.02 (selective recompute) over 8 GPUs at the peak
     # times the efficiency, which shrinks for small matmuls: T/(T + 256) · h/(h + 256)

@@ -19,9 +19,8 @@ import torch
 
 from ultratron.config import ModelConfig
 from ultratron.config.training import OptimConfig
-from ultratron.models.llama.model import build_model
-from ultratron.models.registry import plan_of
-from ultratron.parallel.cpu_linear import apply_cpu_linear, probe
+from ultratron.kernels.cpu_linear import apply_cpu_linear, probe
+from ultratron.models.registry import build_model, plan_of
 from ultratron.parallel.memory import AllocatedBytes
 from ultratron.parallel.recompute import apply_recompute
 from ultratron.planning.activations import dtypes_of

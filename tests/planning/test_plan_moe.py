@@ -9,7 +9,7 @@ import pytest
 
 from ultratron.errors import UserError
 from ultratron.models.presets import PRESETS
-from ultratron.planning.flops import training_flops_per_token
+from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.hardware import get_accelerator
 from ultratron.planning.layout import Layout
 from ultratron.planning.memory import GiB, estimate_memory
@@ -74,8 +74,7 @@ def test_search_prices_expert_parallel_layouts_on_active_flops():
     pipelined = est.compute_s + est.tp_comm_s + est.cp_exposed_s + est.pp_comm_s + est.ep_comm_s
     assert est.step_s == pytest.approx(pipelined + est.bubble_s + est.dp_exposed_s)
     counts = count_params_of(MIXTRAL)
-    flops = training_flops_per_token(counts, vocab_size=MIXTRAL.vocab_size, dim=MIXTRAL.dim,
-                                     n_layers=MIXTRAL.n_layers, seq_len=4096)
+    flops = flops_per_token_of(MIXTRAL, 4096)
     assert flops < 6 * counts.total / 2  # active: about a quarter of the total's 6·N
     assert est.mfu == pytest.approx(est.tokens_per_s_per_gpu * flops / spec.accelerator.flops["bf16"])
 

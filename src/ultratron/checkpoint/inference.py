@@ -12,7 +12,7 @@ from ultratron.checkpoint.state import ModelState
 from ultratron.checkpoint.store import resolve_checkpoint_dir, step_of
 from ultratron.config import Config, load_config
 from ultratron.data.tokenizer import Tokenizer
-from ultratron.models.llama import build_model
+from ultratron.models.registry import build_model
 
 
 @dataclass

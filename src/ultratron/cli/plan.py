@@ -21,6 +21,7 @@ import json
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
+from ultratron import atomic
 from ultratron.cli.plan_output import gib, human, stacked_bars, table, varying_labels, wrap
 from ultratron.cli.plan_scaling import add_scaling_arguments
 from ultratron.config.loader import add_arguments as add_field_flags
@@ -274,9 +275,7 @@ def run_search(args) -> int:
     wrote = None
     if result.best and args.out != "-":
         path = Path(args.out)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(config_toml(spec, result.best, args.model))
-        tmp.replace(path)
+        atomic.write_text(path, config_toml(spec, result.best, args.model))
         wrote = str(path)
     if args.json:
         print(json.dumps({"summary": result.summary, "considered": result.considered, "too_big": result.too_big,

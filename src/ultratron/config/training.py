@@ -91,9 +91,9 @@ class TrainingConfig:
     seed: int = option(0, "seeds the weights, the data order and sampling")
     compile: bool = option(False, "torch.compile each transformer block (after recompute, before FSDP/DDP); "
                                   "docs/performance.md")
-    cpu_linear: str = option("auto", "fp32 linear layers on a CPU: onednn (oneDNN's matmul, about 2x torch's MKL sgemm "
-                                     "on AMD CPUs), aten (torch's own), auto: onednn where a probe at start agrees "
-                                     "with aten; docs/performance.md", choices=("auto", "onednn", "aten"))
+    cpu_linear: str = option("aten", "fp32 linear layers on a CPU: aten (torch's own), or opt in to onednn (oneDNN's "
+                                     "matmul, up to 2x torch's MKL sgemm on AMD CPUs; refused with the reason where "
+                                     "it cannot run); docs/performance.md", choices=("aten", "onednn"))
     profile_steps: str = option("", "profile optimizer steps N..M (e.g. 5..7): a torch.profiler trace, an operator "
                                     "table and memory views per rank in RUN_DIR/profile/; empty: off")
     device: str = option("auto", "auto picks cuda when available", choices=("auto", "cpu", "cuda"))

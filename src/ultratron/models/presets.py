@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ultratron.fields import option
+from ultratron.models.specs import DEFAULT as DEFAULT_FAMILY
+from ultratron.models.specs import SPECS as FAMILIES
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 
@@ -33,6 +35,9 @@ class ModelShape:
     n_dense_layers: int = option(0, "the first N layers keep the dense SwiGLU of ffn_dim (DeepSeek-V3: 3)")
     router_score: str = option("softmax", "router scores: softmax (Mixtral, Qwen3) or sigmoid (DeepSeek-V3)",
                                choices=ROUTER_SCORES)
+    family: str = option(DEFAULT_FAMILY, "model family: the folder models/FAMILY/ that builds it (llama: Llama, "
+                                         "Mistral, Qwen2/3, Mixtral, Qwen3-MoE and DeepSeek-V3-like shapes)",
+                         choices=tuple(FAMILIES))
 
     @property
     def is_moe(self) -> bool:

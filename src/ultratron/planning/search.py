@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 
 from ultratron.errors import UserError
 from ultratron.planning.experts import all_to_all_seconds, is_moe
-from ultratron.planning.flops import training_flops_per_token
+from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.hardware import Accelerator
 from ultratron.planning.layout import Layout, check_layout
 from ultratron.planning.memory import GiB, MemoryBreakdown, estimate_memory
@@ -212,10 +212,8 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     docstring: the one function `plan estimate` prints and `plan search` ranks by."""
     shape, acc = spec.shape, spec.accelerator
     memory = memory or estimate_memory(shape, layout, spec.activation_model)
-    counts = count_params_of(shape)
     peak = acc.flops[spec.precision]
-    model_flops_per_token = training_flops_per_token(
-        counts, vocab_size=shape.vocab_size, dim=shape.dim, n_layers=shape.n_layers, seq_len=layout.seq_len)
+    model_flops_per_token = flops_per_token_of(shape, layout.seq_len)
     hardware_factor = {"none": 1.0, "selective": 1.0 + SELECTIVE_RECOMPUTE_OVERHEAD, "full": 4 / 3}[
         layout.recompute]
     tokens = spec.global_batch_tokens
