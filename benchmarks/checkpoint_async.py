@@ -25,7 +25,8 @@ import uuid
 
 import torch
 
-from ultratron.checkpoint.manager import Checkpointer, ModelState
+from ultratron.checkpoint.checkpointer import Checkpointer
+from ultratron.checkpoint.manager import ModelState
 
 
 class Counter:

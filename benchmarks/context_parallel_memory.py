@@ -51,7 +51,8 @@ def main() -> None:
 
     from ultratron.config import load_config
     from ultratron.launch.local import run_local
-    from ultratron.planning.memory import Layout, estimate_memory
+    from ultratron.planning.layout import Layout
+    from ultratron.planning.memory import estimate_memory
 
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="cp-memory-"))
@@ -73,7 +74,8 @@ def main() -> None:
                             "--parallel.cp", str(cp), "--run.dir", str(out / "run")]
         run_local(cp, measure, overrides, str(out))
         got = [json.loads((out / f"rank{r}.json").read_text())["activations"] for r in range(cp)]
-        plan = estimate_memory(load_config(None, overrides).model, Layout(cp=cp, seq=seq, mbs=1, precision="fp32"))
+        plan = estimate_memory(load_config(None, overrides).model,
+                               Layout(cp=cp, seq_len=seq, micro_batch_size=1, precision="fp32"))
         rows.append((cp, seq, got, plan.activations + plan.loss_logits))
     shutil.rmtree(root, ignore_errors=True)
 

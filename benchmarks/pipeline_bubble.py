@@ -95,7 +95,8 @@ def main() -> None:
 
     from ultratron.config import load_config
     from ultratron.launch.local import run_local
-    from ultratron.planning.memory import Layout, estimate_memory_per_rank
+    from ultratron.planning.layout import Layout
+    from ultratron.planning.memory import estimate_memory_per_rank
     from ultratron.planning.pipeline import bubble_fraction, stages_per_rank
 
     torch.set_num_threads(1)
@@ -120,7 +121,8 @@ def main() -> None:
         idle = [statistics.median((w - b) / b for w, b in zip(r["walls"], r["busy"], strict=True)) for r in ranks]
         cfg = load_config(None, overrides)
         v = stages_per_rank(schedule, 0)
-        layout = Layout(pp=p, pp_schedule=schedule, precision="fp32", mbs=args.mbs, grad_acc=m, seq=args.seq)
+        layout = Layout(pp=p, pp_schedule=schedule, precision="fp32", micro_batch_size=args.mbs, grad_accum=m,
+                        seq_len=args.seq)
         planned = estimate_memory_per_rank(cfg.model, layout)
         memory = {}
         for plan in planned:

@@ -1,7 +1,7 @@
 """ultratron's training step against a plain PyTorch GPT training step of the same shape and FLOPs.
 
   python benchmarks/step_vs_plain.py [--rounds 20] [--warmup 3] [--precisions fp32,bf16] [--compile]
-                                     [--plain-compile]
+                                     [--plain-compile] [--cpu-linear onednn|aten]
 
 The plain step is written here the straightforward way a user would (nanoGPT's shape and loop):
 an `nn.Module` GPT with learned positions, LayerNorm, `F.scaled_dot_product_attention` and a GELU
@@ -20,11 +20,12 @@ models. The data (the built-in corpus, tokenized to 4096) is prepared once in ru
 Measured here (2-core AMD EPYC, torch 2.13 CPU, 20 pairs), ratio of the medians, ultratron ÷ plain
 tokens/s: --compile fp32 1.51×, bf16 1.14–1.19× over five runs (median 1.17×); eager fp32 1.40×,
 bf16 0.85×; --compile --plain-compile fp32 1.44×, bf16 0.95×. The fp32 gain is training.cpu_linear
-(oneDNN's matmul where torch's MKL sgemm runs AVX2 code on this CPU): with torch's kernel the
-compiled fp32 step was 1.01–1.04× the plain one. A later session on a slower day of the same
-machine: --compile fp32 1.08–1.12× (median of five runs 1.115×), bf16 1.135–1.147×; eager fp32 1.02×,
-bf16 0.92×. A third, after the weight gradient moved to MKL's sgemm (no copies; 16 pairs): --compile
-fp32 1.206, 1.185, 1.147× (median 1.185×), bf16 1.159, 1.124, 1.127× (median 1.127×).
+= onednn (opt-in in the trainer, the default here: oneDNN's matmul where torch's MKL sgemm runs AVX2
+code on this CPU): with torch's kernel (--cpu-linear aten) the compiled fp32 step was 1.01–1.04×
+the plain one. A later session on a slower day of the same machine: --compile fp32 1.08–1.12×
+(median of five runs 1.115×), bf16 1.135–1.147×; eager fp32 1.02×, bf16 0.92×. A third, after the
+weight gradient moved to MKL's sgemm (no copies; 16 pairs): --compile fp32 1.206, 1.185, 1.147×
+(median 1.185×), bf16 1.159, 1.124, 1.127× (median 1.127×).
 docs/performance.md explains the figures.
 """
 
@@ -47,7 +48,7 @@ from ultratron.training.trainer import Trainer
 LAYERS, WIDTH, HEADS, SEQ, BATCH, VOCAB = 6, 384, 6, 256, 8, 4096
 
 
-def ultratron_args(precision: str, compile_: bool, run_dir: str) -> list[str]:
+def ultratron_args(precision: str, compile_: bool, run_dir: str, cpu_linear: str) -> list[str]:
     return [
         "--model.preset", "tiny", "--model.n_layers", str(LAYERS), "--model.dim", str(WIDTH),
         "--model.n_heads", str(HEADS), "--model.n_kv_heads", str(HEADS), "--model.ffn_dim", str(8 * WIDTH // 3),
@@ -56,7 +57,7 @@ def ultratron_args(precision: str, compile_: bool, run_dir: str) -> list[str]:
         "--training.batch_tokens", str(SEQ * BATCH), "--training.precision", precision,
         "--training.compile", str(compile_).lower(), "--training.steps", "100000", "--training.progress", "false",
         "--run.dir", run_dir, "--data.cache_dir", "runs/bench-data", "--run.tensorboard", "false",
-        "--eval.interval", "0", "--health.check", "false",
+        "--eval.interval", "0", "--health.check", "false", "--training.cpu_linear", cpu_linear,
     ]
 
 
@@ -137,8 +138,8 @@ def count(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def bench(precision: str, rounds: int, warmup: int, compile_: bool, plain_compile: bool) -> dict:
-    cfg = load_config(None, ultratron_args(precision, compile_, f"runs/bench-plain-{precision}"))
+def bench(precision: str, rounds: int, warmup: int, compile_: bool, plain_compile: bool, cpu_linear: str) -> dict:
+    cfg = load_config(None, ultratron_args(precision, compile_, f"runs/bench-plain-{precision}", cpu_linear))
     trainer = Trainer(cfg, echo=False)
     tokens = np.concatenate([np.asarray(t) for t in trainer.train_loader.shards.tokens])
     plain = PlainStep(tokens, precision, plain_compile)
@@ -169,16 +170,20 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="ultratron with training.compile=true")
     parser.add_argument("--plain-compile", action="store_true",
                         help="the plain model under torch.compile(model) too (the default: eager, as written)")
+    parser.add_argument("--cpu-linear", default="onednn", choices=("onednn", "aten"),
+                        help="ultratron's training.cpu_linear (onednn, opt-in in the trainer, is what the figures "
+                             "in docs/performance.md measured)")
     args = parser.parse_args()
     load = os.getloadavg()[0]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; "
           f"load average {load:.1f} at the start; {args.rounds} interleaved pairs after {args.warmup} warm-up")
     tokens = SEQ * BATCH
     for precision in args.precisions.split(","):
-        r = bench(precision, args.rounds, args.warmup, args.compile, args.plain_compile)
+        r = bench(precision, args.rounds, args.warmup, args.compile, args.plain_compile, args.cpu_linear)
         m = r["medians"]
         print(f"\n{precision}: {r['params']['ultratron'] / 1e6:.2f}M (ultratron) vs {r['params']['plain'] / 1e6:.2f}M "
-              f"(plain) parameters; compile: ultratron {args.compile}, plain {args.plain_compile}")
+              f"(plain) parameters; compile: ultratron {args.compile}, plain {args.plain_compile}; "
+              f"cpu_linear {args.cpu_linear}")
         for name in ("ultratron", "plain"):
             lo, hi = r["spread"][name]
             print(f"  {name:>9}: median step {m[name] * 1e3:7.1f} ms  {tokens / m[name]:8,.0f} tokens/s  "

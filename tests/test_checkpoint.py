@@ -1,13 +1,15 @@
 """The checkpoint owner: atomic directories, the latest pointer, retention, clear errors."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import Counter
-from ultratron.checkpoint.manager import Checkpointer, ModelState, read_checkpoint
-from ultratron.checkpoint.store import resolve_checkpoint_dir
+from ultratron.checkpoint.checkpointer import Checkpointer
+from ultratron.checkpoint.manager import CheckpointWriter, ModelState, WriteOptions, read_checkpoint
+from ultratron.checkpoint.store import CheckpointRoot, resolve_checkpoint_dir
 from ultratron.errors import CheckpointError
 
 
@@ -67,22 +69,34 @@ def test_damaged_or_missing_checkpoint_gives_a_clear_error(tmp_path):
         read_checkpoint(tmp_path / "missing", ModelState(model))
 
 
-def test_a_snapshot_written_from_a_model_loads_for_inference(tmp_path):
-    """The periodic evaluator's weights-only snapshot, written from the live model, is what the
-    evaluator process reads back."""
+def test_a_snapshot_written_from_a_model_or_linked_from_a_checkpoint_loads_for_inference(tmp_path):
+    """The periodic evaluator's weights-only snapshots go through the one writer: written from the
+    live model, or hard-linked from a checkpoint of the same step (its tensor files shared, not
+    copied), each verified and read back by the evaluator process."""
     from conftest import TINY
     from ultratron.checkpoint.inference import load_for_inference
-    from ultratron.checkpoint.manager import snapshot
     from ultratron.config import load_config, to_toml
     from ultratron.data.tokenizer import train_tokenizer
-    from ultratron.models.llama import build_model
+    from ultratron.models.registry import build_model
 
     cfg = load_config(None, TINY)
     model = build_model(cfg.model)
     tokenizer = train_tokenizer(["def f(x):\n    return x\n" * 10], vocab_size=300)
-    dest = snapshot(tmp_path / "snap", 7, {"config.toml": to_toml(cfg), "tokenizer.json": tokenizer.to_json()},
-                    model=ModelState(model))
-    loaded = load_for_inference(dest)
-    assert loaded.step == 7 and not list(tmp_path.glob(".tmp-*"))
-    for name, tensor in model.state_dict().items():
-        assert torch.equal(loaded.model.state_dict()[name], tensor), name
+    files = {"config.toml": to_toml(cfg), "tokenizer.json": tokenizer.to_json()}
+    written = CheckpointWriter(CheckpointRoot(tmp_path / "snap")).write(7, ModelState(model), files=files).result()
+    linked = CheckpointWriter(CheckpointRoot(tmp_path / "linked")).write(
+        7, ModelState(model), files=files, options=WriteOptions(link_from=written)).result()
+    shards = sorted((written / "dcp").iterdir())
+    assert [p.name for p in shards] == sorted(p.name for p in (linked / "dcp").iterdir())
+    assert all(p.stat().st_nlink == 2 for p in shards)  # one file, two names: no bytes copied
+    for dest in (written, linked):
+        loaded = load_for_inference(dest)
+        assert loaded.step == 7 and (dest / "manifest.json").is_file()
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(loaded.model.state_dict()[name], tensor), name
+    assert not list(tmp_path.rglob(".tmp-*"))
+
+
+def test_write_options_choose_one_way_to_write():
+    with pytest.raises(ValueError, match="choose one"):
+        WriteOptions(background=True, link_from=Path("step-0000001"))

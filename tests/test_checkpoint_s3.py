@@ -9,7 +9,8 @@ import uuid
 import pytest
 import torch
 
-from ultratron.checkpoint.manager import Checkpointer, ModelState
+from ultratron.checkpoint.checkpointer import Checkpointer
+from ultratron.checkpoint.manager import ModelState
 from ultratron.config import load_config
 from ultratron.training.metrics import read_metrics
 from ultratron.training.trainer import train
@@ -118,7 +119,7 @@ def test_the_store_going_down_during_a_save_costs_that_save_only(s3, tiny_overri
     monkeypatch.setattr(manager, "write_manifest", real)
     checkpointer = Checkpointer(url, endpoint=server.endpoint)
     assert [str(c).rsplit("/", 1)[1] for c in checkpointer.root.complete()] == ["step-0000002", "step-0000006"]
-    from ultratron.models.llama import build_model
+    from ultratron.models.registry import build_model
 
     model = build_model(load_config(None, common).model)  # the previous checkpoint is whole: verifies and loads
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -25,8 +25,7 @@ def test_compile_wraps_each_block_and_checkpoint_names_stay_plain(tiny_overrides
     import torch
 
     from ultratron.checkpoint.state import ModelState
-    from ultratron.models.llama.model import build_model
-    from ultratron.models.registry import plan_of
+    from ultratron.models.registry import build_model, plan_of
     from ultratron.parallel.compile import apply_compile
 
     model = build_model(load_config(None, tiny_overrides).model, torch.device("cpu"))
@@ -64,14 +63,14 @@ def test_rope_under_compile_equals_the_eager_complex_form():
 def test_the_training_loss_is_compiled_only_with_compile_and_whole_logits():
     import torch
 
-    from ultratron.parallel.compile import compiled_loss
     from ultratron.parallel.dims import ParallelDims
+    from ultratron.parallel.parallelize import Parallel
     from ultratron.training.loss import cross_entropy
 
-    one, tp2 = ParallelDims(), ParallelDims(tp=2)
-    assert compiled_loss(cross_entropy, False, one) is cross_entropy
-    assert compiled_loss(cross_entropy, True, tp2) is cross_entropy  # loss_parallel's DTensors stay eager
-    fn = compiled_loss(cross_entropy, True, one)
+    one, tp2 = Parallel(None, None, ParallelDims()), Parallel(None, None, ParallelDims(tp=2))
+    assert one.compiled_loss(cross_entropy, False) is cross_entropy
+    assert tp2.compiled_loss(cross_entropy, True) is cross_entropy  # loss_parallel's DTensors stay eager
+    fn = one.compiled_loss(cross_entropy, True)
     assert fn is not cross_entropy
     torch.manual_seed(0)
     logits, targets = torch.randn(2, 8, 50), torch.randint(0, 50, (2, 8))

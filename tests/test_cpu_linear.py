@@ -8,8 +8,8 @@ from torch import nn
 
 from ultratron.config import load_config
 from ultratron.errors import ConfigError
-from ultratron.models.llama import build_model
-from ultratron.parallel.cpu_linear import OneDNNLinear, apply_cpu_linear, onednn_linear, probe
+from ultratron.kernels.cpu_linear import OneDNNLinear, apply_cpu_linear, onednn_linear, probe
+from ultratron.models.registry import build_model
 from ultratron.training.metrics import read_metrics
 from ultratron.training.trainer import Trainer, train
 
@@ -41,31 +41,36 @@ def test_swap_keeps_the_state_and_steps_aside_where_it_does_not_apply(tiny_overr
     cfg = load_config(None, tiny_overrides)
     model = build_model(cfg.model, torch.device("cpu"))
     names = {k: v.clone() for k, v in model.state_dict().items()}
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    weights = {name: m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     apply_cpu_linear(model, "onednn", tp=1)
-    assert linears and all(type(m) is OneDNNLinear for m in linears)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert linears.keys() == weights.keys() and all(type(m) is OneDNNLinear for m in linears.values())
+    # each new layer holds the old one's own parameter: optimizer, tied weights and names unchanged
+    assert all(linears[name].weight is weight for name, weight in weights.items())
+    if cfg.model.tie_embeddings:
+        assert model.output.weight is model.tok_embeddings.weight
     assert model.state_dict().keys() == names.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in names.items())
-    layer = linears[0]
+    layer = next(iter(linears.values()))
     x = torch.randn(2, 5, layer.in_features)
     assert _close(layer(x), F.linear(x, layer.weight))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 autocast: torch's own (bf16) linear
         assert layer(x).dtype == torch.bfloat16
-    as_double = nn.Linear(layer.in_features, 3, bias=False).double()
-    apply_cpu_linear(nn.Sequential(as_double), "onednn", tp=1)
+    as_double = apply_cpu_linear(nn.Sequential(nn.Linear(layer.in_features, 3, bias=False).double()), "onednn",
+                                 tp=1)[0]
+    assert type(as_double) is OneDNNLinear
     assert _close(as_double(x.double()), F.linear(x.double(), as_double.weight), tol=1e-12)  # other dtypes: F.linear
-    with_bias = nn.Linear(8, 4)
-    apply_cpu_linear(nn.Sequential(with_bias), "onednn", tp=1)
+    with_bias = apply_cpu_linear(nn.Sequential(nn.Linear(8, 4)), "onednn", tp=1)[0]
     assert type(with_bias) is nn.Linear  # only bias-free layers change
 
 
-def test_onednn_refuses_with_a_reason_and_auto_or_aten_leave_the_model_alone(tiny_overrides):
+def test_onednn_refuses_with_a_reason_and_aten_leaves_the_model_alone(tiny_overrides):
     cfg = load_config(None, tiny_overrides)
     model = build_model(cfg.model, torch.device("cpu"))
     with pytest.raises(ConfigError, match="training.cpu_linear = onednn: tensor parallel"):
         apply_cpu_linear(model, "onednn", tp=2)
-    for mode, tp in (("auto", 2), ("aten", 1)):
-        apply_cpu_linear(model, mode, tp=tp)
+    for tp in (1, 2):
+        apply_cpu_linear(model, "aten", tp=tp)
         assert not any(type(m) is OneDNNLinear for m in model.modules())
 
 
@@ -80,6 +85,7 @@ def test_training_with_onednn_equals_aten_within_1e_4(tiny_overrides, tmp_path):
     for aten, ours in zip(losses["aten"], losses["onednn"], strict=True):
         assert abs(ours - aten) <= 1e-4 * abs(aten), losses
     assert losses["onednn"][-1] < losses["onednn"][0]
-    # the trainer's default (auto) takes it on this CPU
-    trainer = Trainer(load_config(None, tiny_overrides + ["--run.dir", str(tmp_path / "auto")]), echo=False)
-    assert any(type(m) is OneDNNLinear for m in trainer.model.modules())
+    # opt-in: the trainer's default keeps torch's kernel
+    trainer = Trainer(load_config(None, tiny_overrides + ["--run.dir", str(tmp_path / "default")]), echo=False)
+    assert trainer.cfg.training.cpu_linear == "aten"
+    assert not any(type(m) is OneDNNLinear for m in trainer.model.modules())

@@ -14,6 +14,9 @@ from ultratron.errors import CheckpointError
 transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MOE = {"num_experts_per_tok": 2, "router_jitter_noise": 0.0}
 TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}<s>assistant:"
 
 
@@ -37,7 +40,10 @@ def _tokenizer_files(out, corpus):
 def _hf_model(root, corpus, family="llama", tie=True, shard=False, seed=0, **extra):
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+           "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}[family]
     config = cls[0](hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=320, max_position_embeddings=128, rms_norm_eps=1e-6,
                     tie_word_embeddings=tie, eos_token_id=1, bos_token_id=0, **extra)
@@ -46,6 +52,8 @@ def _hf_model(root, corpus, family="llama", tie=True, shard=False, seed=0, **ext
     with torch.no_grad():
         for name, p in model.named_parameters():  # every tensor random, norms and biases included
             p.normal_(1.0 if "norm" in name else 0.0, 0.2 if p.dim() == 1 else 0.05)
+            if name.endswith(".gate.weight"):  # decisive routing: rounding cannot flip a top-k choice
+                p.normal_(0.0, 1.0)
     root.mkdir(parents=True)
     model.save_pretrained(str(root), max_shard_size="60KB" if shard else "1GB")
     _tokenizer_files(root, corpus)
@@ -67,6 +75,11 @@ def _tensors(path):
                             "rope_theta": 500_000.0}),
     ("qwen2", False, False, {}),
     ("mistral", False, False, {"sliding_window": None}),
+    ("qwen3", True, False, {"head_dim": 24}),  # QK-norm, a head width of its own
+    ("mixtral", False, True, MOE | {"num_local_experts": 4}),
+    # QK-norm, a dense first layer, scores not rescaled, a head width of its own
+    ("qwen3_moe", False, False, MOE | {"num_experts": 4, "moe_intermediate_size": 32, "mlp_only_layers": [0],
+                                       "norm_topk_prob": False, "head_dim": 24}),
 ])
 def test_imported_model_has_transformers_logits_and_exports_back_exactly(tmp_path, small_corpus, family, tie,
                                                                           shard, extra):
@@ -75,17 +88,24 @@ def test_imported_model_has_transformers_logits_and_exports_back_exactly(tmp_pat
 
     hf_dir = tmp_path / "hf"
     hf_model = _hf_model(hf_dir, small_corpus, family, tie, shard, **extra)
+    assert type(hf_model).__name__ == ARCHITECTURES[family]
     assert (hf_dir / "model.safetensors.index.json").is_file() == shard
-    ckpt = import_hf(hf_dir, tmp_path / "run")
+    if family in ("mixtral", "qwen3_moe"):  # the command itself, for the mixtures of experts
+        result = run_cli("import", "hf", "--model", str(hf_dir), "--out", str(tmp_path / "run"))
+        assert result.returncode == 0, result.stderr
+        assert "continue training" in result.stdout
+        ckpt = None
+    else:
+        ckpt = import_hf(hf_dir, tmp_path / "run")
     loaded = load_for_inference(tmp_path / "run")
-    assert loaded.checkpoint_dir == ckpt and loaded.step == 0
+    assert loaded.checkpoint_dir == (ckpt or loaded.checkpoint_dir) and loaded.step == 0
     assert loaded.model.args.tie_embeddings == tie and loaded.model.args.n_kv_heads == 2
     ids = [[5, 9, 300, 12, 7, 44, 1, 2, 3, 250, 17, 18, 100, 101, 102, 103] * 6]  # 96 positions
     with torch.no_grad():
         ours, theirs = loaded.model(torch.tensor(ids)), hf_model(torch.tensor(ids)).logits
     diff = float((ours - theirs).abs().max())
     print(f"import {family} tied={tie}: max |logit difference| = {diff:.2e}")
-    assert diff < 1e-4
+    assert diff < 1e-5
     # the tokenizer, its EOS/BOS and chat template came along
     tok = loaded.tokenizer
     assert (tok.eos_token, tok.bos_token, tok.chat_template) == ("</s>", "<s>", TEMPLATE)
@@ -145,15 +165,23 @@ def test_training_continues_from_the_import(tmp_path, small_corpus):
 def test_what_does_not_map_is_refused_with_every_reason(tmp_path, small_corpus):
     base = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
             "num_attention_heads": 4, "vocab_size": 320}
-    _, problems = map_config({**base, "attention_bias": True, "head_dim": 32, "hidden_act": "gelu",
+    _, problems = map_config({**base, "attention_bias": True, "partial_rotary_factor": 0.5, "hidden_act": "gelu",
                               "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    assert len(problems) == 4 and any("yarn" in p for p in problems) and any("head_dim=32" in p for p in problems)
+    assert len(problems) == 4 and any("yarn" in p for p in problems) and any("partial_rotary" in p for p in problems)
+    # a mixture of experts whose dense layers are not the first ones (Qwen3-MoE's decoder_sparse_step=2)
+    moe = {**base, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "num_hidden_layers": 4}
+    fields, problems = map_config({**moe, "mlp_only_layers": [0, 1]})
+    assert not problems and (fields["n_dense_layers"], fields["n_experts"], fields["expert_ffn_dim"]) == (2, 4, 32)
+    _, problems = map_config({**moe, "decoder_sparse_step": 2})
+    assert problems == ["dense layers [0, 2] (mlp_only_layers, decoder_sparse_step): ultratron keeps only the first "
+                        "layers dense"]
     _, problems = map_config({**base, "model_type": "mistral", "sliding_window": 64, "max_position_embeddings": 256})
     assert problems and "--max-seq-len 64" in problems[0]
     fields, problems = map_config({**base, "model_type": "mistral", "sliding_window": 64,
                                    "max_position_embeddings": 256}, max_seq_len=64)
     assert not problems and fields["max_seq_len"] == 64
-    assert "not a Llama-family" in map_config({"model_type": "gpt2"})[1][0]
+    assert "not a model ultratron can hold" in map_config({"model_type": "gpt2"})[1][0]
     # a directory with an extra tensor and no tokenizer: both reasons, one line each, and nothing written
     hf_dir = tmp_path / "hf"
     _hf_model(hf_dir, small_corpus, tie=True)
@@ -166,6 +194,24 @@ def test_what_does_not_map_is_refused_with_every_reason(tmp_path, small_corpus):
     result = run_cli("import", "hf", "--model", str(hf_dir), "--out", str(tmp_path / "out"))
     assert result.returncode == 2 and result.stderr.count("error: cannot import") == 2
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_deepseek_v3_is_refused_in_one_line(tmp_path, small_corpus):
+    """Multi-head latent attention has no place in our decoder: one error line says so, nothing is written."""
+    config = transformers.DeepseekV3Config(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, vocab_size=320, max_position_embeddings=128)
+    torch.manual_seed(0)
+    hf_dir = tmp_path / "hf"
+    transformers.DeepseekV3ForCausalLM(config).save_pretrained(str(hf_dir))
+    _tokenizer_files(hf_dir, small_corpus)
+    result = run_cli("import", "hf", "--model", str(hf_dir), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot import") and "multi-head latent attention" in lines[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_import_streams_one_tensor_at_a_time(tmp_path, small_corpus, monkeypatch):

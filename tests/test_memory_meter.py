@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ultratron.parallel.cpu_linear import onednn_linear, probe
+from ultratron.kernels.cpu_linear import onednn_linear, probe
 from ultratron.parallel.memory import AllocatedBytes, _kernel_scratch
 
 

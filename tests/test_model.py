@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from ultratron.config import load_config
-from ultratron.models.llama import build_model
 from ultratron.models.presets import PRESETS
+from ultratron.models.registry import build_model
 from ultratron.planning.params import count_params_of
 
 
@@ -75,3 +75,31 @@ def test_residual_projections_get_the_scaled_init():
     wq = model.layers["0"].attention.wq.weight.std().item()
     assert wq == pytest.approx(0.02, rel=0.05)
     assert wo == pytest.approx(0.02 / (2 * 4) ** 0.5, rel=0.05)
+
+
+def test_the_registry_reads_a_model_through_its_wrappers(tmp_path):
+    """Other code asks `models.registry`: the family, its args and plan, through DDP and torch.compile."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ultratron.models.llama.parallel_plan import PLAN
+    from ultratron.models.registry import family_of, model_args, plan_of
+    from ultratron.models.specs import spec_of
+
+    model = small_model("--model.max_seq_len", "48")
+    cfg = load_config(None, ["--model.preset", "moe-tiny"]).model
+    assert cfg.family == "llama" and family_of(model).name == "llama" and family_of(model).spec is spec_of(cfg)
+    assert model_args(torch.compile(model)) is model.args and model_args(model).max_seq_len == 48
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(model)
+        assert model_args(ddp) is model.args and plan_of(ddp) is PLAN
+    finally:
+        dist.destroy_process_group()
+
+    class Stand:  # a sampling stand-in, no module (the pipeline's), carries its model's args
+        args = model.args
+
+    assert model_args(Stand()) is model.args
+    with pytest.raises(TypeError, match="no model of a family"):
+        model_args(torch.nn.Linear(2, 2))

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from conftest import run_cli
 from ultratron.config import load_config
-from ultratron.models.llama import build_model
 from ultratron.models.moe import MoE
 from ultratron.models.presets import PRESETS
+from ultratron.models.registry import build_model
 from ultratron.planning.params import count_params_of
 
 

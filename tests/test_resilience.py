@@ -20,7 +20,8 @@ import torch
 
 from conftest import Counter
 from ultratron.checkpoint import verify as verify_module
-from ultratron.checkpoint.manager import Checkpointer, ModelState, read_checkpoint
+from ultratron.checkpoint.checkpointer import Checkpointer
+from ultratron.checkpoint.manager import ModelState, read_checkpoint
 from ultratron.checkpoint.verify import verify
 from ultratron.config import load_config
 from ultratron.errors import CheckpointError, TrainingError
@@ -323,7 +324,7 @@ def test_without_a_gpu_the_health_check_says_so_and_times_the_cpu(base, tmp_path
 
 
 def test_a_straggler_and_a_failing_gpu_are_named_by_host_and_rank():
-    from ultratron.parallel.health import GpuHealth, RankHealth, judge, stragglers
+    from ultratron.training.health import GpuHealth, RankHealth, judge, stragglers
 
     ok = GpuHealth(True, "1 GPU(s) checked")
     bad = GpuHealth(True, "1 GPU(s) checked", problems=["GPU 0: XID 79 (GPU fell off the bus)"])

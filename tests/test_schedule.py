@@ -40,7 +40,7 @@ def test_weight_decay_shrinks_the_matrices_and_leaves_the_norm_gains():
     import torch
 
     from ultratron.config import ModelConfig
-    from ultratron.models.llama import build_model
+    from ultratron.models.registry import build_model
     from ultratron.training.optim import build_optimizer
 
     torch.manual_seed(0)

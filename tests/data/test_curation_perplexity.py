@@ -29,7 +29,7 @@ def scorer():
     torch = pytest.importorskip("torch")
     from ultratron.config import ModelConfig, resolve_model
     from ultratron.data.tokenizer import train_tokenizer
-    from ultratron.models.llama import build_model
+    from ultratron.models.registry import build_model
 
     torch.manual_seed(0)
     rng = random.Random(0)

@@ -5,7 +5,7 @@ comparison every layout passes against one process (`assert_equivalent`).
 modules that import from it.) Test modules import the fixtures by their *_fixture names.
 
 What "equal to one process" means, and where each tolerance comes from (relative; the gaps were
-measured over every layout of these tests, 2-core AMD EPYC, and the margin is stated):
+measured over every layout of these tests and dp2×tp2×pp2 in bf16, 2-core AMD EPYC; margins stated):
   fp32  losses and validation losses 1e-5 (measured ≤ 2.3e-7), gradient norms 1e-4 (≤ 1.6e-6), and
         each weight tensor at the end within 3e-4 of that tensor's update over the run (≤ 6.5e-5):
         summation order alone differs, but AdamW divides each gradient by its running RMS, so an

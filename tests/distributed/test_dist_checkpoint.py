@@ -56,7 +56,7 @@ def test_a_sharded_checkpoint_loads_for_inference_in_one_process(resharded, dist
     import torch
 
     from ultratron.checkpoint.inference import load_for_inference as load_model
-    from ultratron.models.llama import build_model
+    from ultratron.models.registry import build_model
     from ultratron.training.trainer import Trainer
 
     loaded = load_model(resharded["ckpt"])

@@ -17,7 +17,8 @@ import pytest
 from dist_common import dist_base_fixture, references_fixture  # noqa: F401 (fixtures)
 
 from ultratron.config import load_config
-from ultratron.planning.memory import Layout, estimate_memory
+from ultratron.planning.layout import Layout
+from ultratron.planning.memory import estimate_memory
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,8 @@ def measured(dist_base, references, tmp_path_factory):
 
 def _planned(dist_base, zero: int):
     cfg = load_config(None, dist_base)
-    layout = Layout(dp=2, zero=zero, precision="fp32", mbs=cfg.training.micro_batch_size, grad_acc=2,
-                    seq=cfg.training.seq_len)
+    layout = Layout(dp=2, zero=zero, precision="fp32", micro_batch_size=cfg.training.micro_batch_size, grad_accum=2,
+                    seq_len=cfg.training.seq_len)
     return estimate_memory(cfg.model, layout)
 
 

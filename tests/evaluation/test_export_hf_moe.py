@@ -1,12 +1,14 @@
 """A mixture of experts exports to transformers' Mixtral (no QK-norm) or Qwen3-MoE (QK-norm, dense
-first layers, a head width of its own) with the same logits in fp32; other routings are refused
-with every reason."""
+first layers, a head width of its own) with the same logits in fp32, and `ultratron import hf` then
+`ultratron export hf` give back the very same tensors; other routings are refused with every reason."""
 
 import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from conftest import run_cli
 from ultratron.checkpoint.hf import export_hf
 from ultratron.errors import ExportError
 from ultratron.models.llama import Llama, LlamaArgs
@@ -45,7 +47,21 @@ def test_moe_exports_with_matching_logits(tmp_path, trained_checkpoint, kw, fami
     with torch.no_grad():
         diff = float((model(ids) - hf.eval()(ids).logits).abs().max())
     print(f"export {family}: max |logit difference| = {diff:.2e}")
-    assert diff < 1e-4
+    assert diff < 1e-5
+    # the commands, both ways: the exported directory imports as a checkpoint holding our very tensors,
+    # and that checkpoint exports to the very tensors transformers just read
+    result = run_cli("import", "hf", "--model", str(out), "--out", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    from ultratron.checkpoint.inference import load_for_inference
+
+    imported = load_for_inference(tmp_path / "run").model.state_dict()
+    assert imported.keys() == model.state_dict().keys()
+    assert all(torch.equal(imported[k], v) for k, v in model.state_dict().items())
+    result = run_cli("export", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "again"))
+    assert result.returncode == 0, result.stderr
+    first, again = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["architectures"] == [family]
 
 
 def test_routings_the_hf_classes_lack_are_refused_with_every_reason(tmp_path, trained_checkpoint):
@@ -57,6 +73,7 @@ def test_routings_the_hf_classes_lack_are_refused_with_every_reason(tmp_path, tr
     with pytest.raises(ExportError) as info:
         export_hf(model, Tokenizer.load(trained_checkpoint / "tokenizer.json"), tmp_path / "bad")
     text = str(info.value)
-    for reason in ("no shared experts", "route by softmax", "Mixtral has no dense layers", "routing bias"):
+    for reason in ("no shared experts", "route by softmax", "Mixtral has no dense layers", "routing bias",
+                   "multi-head latent attention"):
         assert reason in text, text
     assert not (tmp_path / "bad").exists()

@@ -63,8 +63,9 @@ def test_user_errors_are_one_line_each(capsys):
     code, _, err = run_plan(capsys, "memory", "--model", "llama3-8b", "--tp", "3", "--pp", "64")
     assert code == 2
     lines = err.strip().splitlines()
-    assert all(line.startswith("error: ") for line in lines) and len(lines) == 2
+    assert all(line.startswith("error: ") for line in lines) and len(lines) == 3
     assert "tp=3 does not divide n_heads=32" in err and "pp=64 exceeds n_layers=32" in err
+    assert "1 micro-batch per step (grad_accum) are fewer than the 64 pipeline stages" in err
     code, _, err = run_plan(capsys, "memory", "--n-layers", "2")
     assert code == 2 and "without --model these are needed: --dim" in err
     code, _, err = run_plan(capsys, "search", "--model", "llama3-8b", "--gpu", "tpu-v9", "--gpus", "8",

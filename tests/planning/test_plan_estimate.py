@@ -7,9 +7,8 @@ import pytest
 
 from ultratron.cli import main
 from ultratron.models.presets import PRESETS
-from ultratron.planning.flops import training_flops_per_token
+from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.memory import MemoryBreakdown
-from ultratron.planning.params import count_params_of
 
 H100_BF16 = 989.4e12
 
@@ -36,8 +35,7 @@ def test_estimate_json_has_the_numbers_and_their_terms(capsys):
                                                                          "pp_comm_s", "bubble_s", "dp_exposed_s")))
     assert data["tokens_per_sec_per_gpu"] == pytest.approx(data["batch_tokens"] / data["step_seconds"] / 8)
     shape = PRESETS["llama3-8b"]
-    flops = training_flops_per_token(count_params_of(shape), vocab_size=shape.vocab_size, dim=shape.dim,
-                                     n_layers=shape.n_layers, seq_len=8192)
+    flops = flops_per_token_of(shape, 8192)
     assert data["mfu"] == pytest.approx(data["tokens_per_sec_per_gpu"] * flops / H100_BF16)
     # compute by hand: global tokens × FLOPs/token × 1.02 (selective recompute) over 8 GPUs at the peak
     # times the efficiency, which shrinks for small matmuls: T/(T + 256) · h/(h + 256)
@@ -53,9 +51,9 @@ def test_search_ranks_with_the_function_estimate_prints(capsys, tmp_path):
     assert code == 0
     for ranked in json.loads(out)["layouts"]:
         lay = ranked["layout"]
-        flags = [f"--{k.replace('_', '-')}={lay[k]}" for k in ("dp", "zero", "tp", "pp", "virtual_stages", "cp",
-                                                              "mbs", "grad_acc", "seq", "recompute", "pp_schedule")]
-        flags += ["--sp"] if lay["sp"] else []
+        # every layout field is a flag of the same name (a bool: --name / --no-name)
+        flags = [(f"--{k}" if v else f"--no-{k}") if isinstance(v, bool) else f"--{k}={v}"
+                 for k, v in ((k.replace("_", "-"), v) for k, v in lay.items()) if v is not None]
         alone = estimate_json(capsys, *flags)
         for key in ("peak_bytes", "step_seconds", "tokens_per_sec_per_gpu", "mfu", "time"):
             assert alone[key] == ranked[key], (ranked["describe"], key)

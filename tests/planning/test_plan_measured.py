@@ -19,13 +19,13 @@ import torch
 
 from ultratron.config import ModelConfig
 from ultratron.config.training import OptimConfig
-from ultratron.models.llama.model import build_model
-from ultratron.models.registry import plan_of
-from ultratron.parallel.cpu_linear import apply_cpu_linear, probe
+from ultratron.kernels.cpu_linear import apply_cpu_linear, probe
+from ultratron.models.registry import build_model, plan_of
 from ultratron.parallel.memory import AllocatedBytes
 from ultratron.parallel.recompute import apply_recompute
 from ultratron.planning.activations import dtypes_of
-from ultratron.planning.memory import Layout, estimate_memory
+from ultratron.planning.layout import Layout
+from ultratron.planning.memory import estimate_memory
 from ultratron.training.loss import cross_entropy
 from ultratron.training.optim import build_optimizer
 from ultratron.training.precision import autocast
@@ -43,7 +43,7 @@ def measure(model_cfg: ModelConfig, layout: Layout, cpu_linear: str = "aten") ->
     apply_cpu_linear(model, cpu_linear, tp=1)  # as parallelize does, before recompute
     apply_recompute(model, layout.recompute, plan_of(model))
     optimizer = build_optimizer(model, OptimConfig())
-    tokens = torch.randint(0, model_cfg.vocab_size, (layout.mbs, layout.seq + 1))
+    tokens = torch.randint(0, model_cfg.vocab_size, (layout.micro_batch_size, layout.seq_len + 1))
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # as the loader gives them
 
     def micro_batch(meter=None):
@@ -75,24 +75,25 @@ MOE = dict(n_experts=4, n_active_experts=2, expert_ffn_dim=96)  # a mixture of e
 WIDE = dict(SMALL, dim=128, n_heads=8, ffn_dim=256, vocab_size=128)  # a block's backward outweighs the loss's
 
 CASES = [
-    (SMALL, Layout(mbs=2, seq=64, recompute="none", precision="fp32")),
-    (SMALL, Layout(mbs=2, seq=64, recompute="selective", precision="fp32")),
-    (SMALL, Layout(mbs=2, seq=64, recompute="full", precision="fp32")),
-    (SMALL, Layout(mbs=2, seq=64, recompute="none", precision="bf16")),
-    (SMALL, Layout(mbs=2, seq=64, recompute="selective", precision="bf16")),
-    (SMALL, Layout(mbs=2, seq=64, recompute="full", precision="bf16")),
-    (dict(SMALL, n_kv_heads=4, tie_embeddings=True), Layout(mbs=1, seq=128, recompute="selective",
+    (SMALL, Layout(micro_batch_size=2, seq_len=64, recompute="none", precision="fp32")),
+    (SMALL, Layout(micro_batch_size=2, seq_len=64, recompute="selective", precision="fp32")),
+    (SMALL, Layout(micro_batch_size=2, seq_len=64, recompute="full", precision="fp32")),
+    (SMALL, Layout(micro_batch_size=2, seq_len=64, recompute="none", precision="bf16")),
+    (SMALL, Layout(micro_batch_size=2, seq_len=64, recompute="selective", precision="bf16")),
+    (SMALL, Layout(micro_batch_size=2, seq_len=64, recompute="full", precision="bf16")),
+    (dict(SMALL, n_kv_heads=4, tie_embeddings=True), Layout(micro_batch_size=1, seq_len=128, recompute="selective",
                                                            precision="bf16")),
     (dict(SMALL, n_layers=3, dim=96, n_heads=6, n_kv_heads=1, ffn_dim=256), Layout(
-        mbs=3, seq=32, recompute="full", precision="bf16")),
-    (dict(SMALL, qk_norm=True), Layout(mbs=2, seq=64, recompute="none", precision="fp32")),
-    (dict(SMALL, qk_norm=True, n_layers=4), Layout(mbs=1, seq=96, recompute="selective", precision="bf16")),
-    (dict(SMALL, qk_norm=True, n_layers=4), Layout(mbs=1, seq=96, recompute="none", precision="bf16")),
-    (WIDE, Layout(mbs=2, seq=64, recompute="full", precision="fp32")),
-    (WIDE, Layout(mbs=2, seq=64, recompute="selective", precision="bf16")),
-    (dict(SMALL, **MOE), Layout(mbs=2, seq=64, recompute="none", precision="fp32")),
-    (dict(SMALL, **MOE, n_shared_experts=1, n_layers=3, n_dense_layers=1), Layout(mbs=2, seq=64, recompute="none",
-                                                                                 precision="bf16")),
+        micro_batch_size=3, seq_len=32, recompute="full", precision="bf16")),
+    (dict(SMALL, qk_norm=True), Layout(micro_batch_size=2, seq_len=64, recompute="none", precision="fp32")),
+    (dict(SMALL, qk_norm=True, n_layers=4), Layout(micro_batch_size=1, seq_len=96, recompute="selective",
+                                                   precision="bf16")),
+    (dict(SMALL, qk_norm=True, n_layers=4), Layout(micro_batch_size=1, seq_len=96, recompute="none", precision="bf16")),
+    (WIDE, Layout(micro_batch_size=2, seq_len=64, recompute="full", precision="fp32")),
+    (WIDE, Layout(micro_batch_size=2, seq_len=64, recompute="selective", precision="bf16")),
+    (dict(SMALL, **MOE), Layout(micro_batch_size=2, seq_len=64, recompute="none", precision="fp32")),
+    (dict(SMALL, **MOE, n_shared_experts=1, n_layers=3, n_dense_layers=1),
+     Layout(micro_batch_size=2, seq_len=64, recompute="none", precision="bf16")),
 ]
 
 
@@ -106,7 +107,8 @@ def test_plan_memory_matches_the_trainers_step(fields, layout):
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_plan_memory_matches_with_the_onednn_linear(recompute):
     """training.cpu_linear's op keeps what aten's matmul keeps, and selective recompute saves it."""
-    _check_against_the_plan(SMALL, Layout(mbs=2, seq=64, recompute=recompute, precision="fp32"), "onednn")
+    layout = Layout(micro_batch_size=2, seq_len=64, recompute=recompute, precision="fp32")
+    _check_against_the_plan(SMALL, layout, "onednn")
 
 
 def _check_against_the_plan(fields, layout, cpu_linear):
@@ -136,7 +138,7 @@ def forward_tolerance(model_cfg: ModelConfig, layout: Layout) -> float:
     with a mixture of experts also the router's index, weight and count tensors, which it prices at a
     flat 36 bytes per routed slot (`planning.experts`) while torch's sort, gather and per-expert
     grouping allocate a little less (measured 3.8 and 5.8 bytes a slot under it): 8 bytes a slot."""
-    tokens = layout.mbs * layout.seq
+    tokens = layout.micro_batch_size * layout.seq_len
     routed = (model_cfg.n_active_experts or 0) * tokens * model_cfg.n_layers if model_cfg.n_experts else 0
     return 64 + 8 * routed
 
@@ -144,14 +146,14 @@ def forward_tolerance(model_cfg: ModelConfig, layout: Layout) -> float:
 def largest_block_tensor(model_cfg: ModelConfig, layout: Layout) -> float:
     """Bytes of the largest activation one block creates: p·T·max(f, h) (p: matmul output bytes)."""
     width = max(model_cfg.ffn_dim, model_cfg.dim, (model_cfg.expert_ffn_dim or 0))
-    return dtypes_of(layout).compute * layout.mbs * layout.seq * width
+    return dtypes_of(layout).compute * layout.micro_batch_size * layout.seq_len * width
 
 
 def test_recompute_modes_keep_less_in_the_order_planned():
     model_cfg = ModelConfig(preset=None, **SMALL)
     sizes = {}
     for mode in ("none", "selective", "full"):
-        layout = Layout(mbs=2, seq=64, recompute=mode, precision="bf16", attention_fp32=True)
+        layout = Layout(micro_batch_size=2, seq_len=64, recompute=mode, precision="bf16", attention_fp32=True)
         sizes[mode] = measure(model_cfg, layout)["after_forward"]
         planned = estimate_memory(model_cfg, layout)
         assert abs(planned.activations + planned.loss_logits - sizes[mode]) <= forward_tolerance(model_cfg, layout)

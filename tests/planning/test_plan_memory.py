@@ -5,7 +5,8 @@ import pytest
 from ultratron.errors import UserError
 from ultratron.models.presets import PRESETS
 from ultratron.planning.activations import textbook_layer_activation_bytes
-from ultratron.planning.memory import GiB, Layout, estimate_memory, estimate_memory_per_rank
+from ultratron.planning.layout import Layout
+from ultratron.planning.memory import GiB, estimate_memory, estimate_memory_per_rank
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import stage_split
 
@@ -16,7 +17,7 @@ LLAMA8B = PRESETS["llama3-8b"]
 
 
 def test_textbook_activations_97_and_17_gib():
-    layout = Layout(seq=4096, mbs=1)
+    layout = Layout(seq_len=4096, micro_batch_size=1)
     none = textbook_layer_activation_bytes(TEXTBOOK, layout) * 32 / GiB
     selective = textbook_layer_activation_bytes(TEXTBOOK, layout, "selective") * 32 / GiB
     assert none == pytest.approx(97.0, abs=0.05)
@@ -28,7 +29,7 @@ def test_textbook_activations_97_and_17_gib():
 
 def test_textbook_tp_sp_and_full_recompute_divisions():
     def per_layer(**layout):
-        return textbook_layer_activation_bytes(TEXTBOOK, Layout(seq=4096, **layout))
+        return textbook_layer_activation_bytes(TEXTBOOK, Layout(seq_len=4096, **layout))
 
     sbh = 4096 * 4096
     assert per_layer(recompute="selective") == 34 * sbh
@@ -44,79 +45,90 @@ def test_static_bytes_follow_the_trainers_zero_stages():
     # ZeRO-1 shards the moments; FSDP2 shards all three and, at ZeRO-2, holds the bf16 weights gathered.
     expected = {0: (4 + 4 + 8) * psi, 1: (4 + 4 + 8 / 8) * psi, 2: (4 / 8 + 2 + 4 / 8 + 8 / 8) * psi, 3: 16 / 8 * psi}
     for zero, want in expected.items():
-        got = estimate_memory(LLAMA8B, Layout(dp=8, zero=zero, seq=2048))
+        got = estimate_memory(LLAMA8B, Layout(dp=8, zero=zero, seq_len=2048))
         assert got.static_bytes == pytest.approx(want, rel=1e-12), zero
         assert got.master_weights == 0
     # DDP's gradients are views of its buckets: no second copy at the step's peak ...
-    small = estimate_memory(LLAMA8B, Layout(dp=8, seq=256))
+    small = estimate_memory(LLAMA8B, Layout(dp=8, seq_len=256))
     assert small.comm_buffers == 0
     # ... but its one-time bucket rebuild holds old and new buckets (4Ψ) while no activations live,
     # which is the peak when the activations are smaller
     assert small.peak_bytes == pytest.approx(small.static_bytes + 4 * psi, rel=1e-12)
     # with activations above 4Ψ the rebuild is not the peak: a step as one process's, plus nothing
-    big = dict(seq=8192, mbs=8, recompute="none")
+    big = dict(seq_len=8192, micro_batch_size=8, recompute="none")
     one, ddp = estimate_memory(LLAMA8B, Layout(**big)), estimate_memory(LLAMA8B, Layout(dp=8, **big))
     assert one.peak_bytes - one.static_bytes > 4 * psi
     assert ddp.peak_bytes == pytest.approx(one.peak_bytes, rel=1e-12) and ddp.static_bytes == one.static_bytes
     # Megatron-LM's table ("bf16 param, fp32 grads"): 18 bytes, 6 + 12/d with the distributed optimizer
     for dp, zero, want in ((1, 0, 18), (8, 1, 6 + 12 / 8)):
-        got = estimate_memory(LLAMA8B, Layout(dp=dp, zero=zero, seq=2048, fp32_grad_accum=True))
+        got = estimate_memory(LLAMA8B, Layout(dp=dp, zero=zero, seq_len=2048, fp32_grad_accum=True))
         assert got.static_bytes == pytest.approx(want * psi) and got.gradients == 0
-    fp32 = estimate_memory(LLAMA8B, Layout(seq=2048, precision="fp32")).static_bytes
+    fp32 = estimate_memory(LLAMA8B, Layout(seq_len=2048, precision="fp32")).static_bytes
     assert fp32 == pytest.approx(16 * psi)
+
+
+def test_hsdp_shards_within_a_replica_group():
+    """dp 8 as 2 replica groups of 4 (parallel.dp_replicate 2) holds what FSDP over 4 ranks holds."""
+    hsdp = estimate_memory(LLAMA8B, Layout(dp=8, dp_replicate=2, zero=3, seq_len=2048))
+    assert hsdp.static_bytes == pytest.approx(estimate_memory(LLAMA8B, Layout(dp=4, zero=3, seq_len=2048)).static_bytes)
+    assert hsdp.static_bytes > estimate_memory(LLAMA8B, Layout(dp=8, zero=3, seq_len=2048)).static_bytes
+    with pytest.raises(UserError, match="dp_replicate=2 .HSDP. shards within each replica group, so it needs zero"):
+        estimate_memory(LLAMA8B, Layout(dp=8, dp_replicate=2, zero=1))
 
 
 def test_tensor_and_pipeline_parallel_split_the_weights():
     counts = count_params_of(LLAMA8B)
-    tp8 = estimate_memory(LLAMA8B, Layout(tp=8, seq=2048)).extra["params_on_gpu"]
+    tp8 = estimate_memory(LLAMA8B, Layout(tp=8, seq_len=2048)).extra["params_on_gpu"]
     norms = 32 * 2 * LLAMA8B.dim + LLAMA8B.dim  # replicated on every TP rank
     assert tp8 == pytest.approx((counts.total - norms) / 8 + norms)
-    pp4 = estimate_memory(LLAMA8B, Layout(pp=4, grad_acc=8, seq=2048))
+    pp4 = estimate_memory(LLAMA8B, Layout(pp=4, grad_accum=8, seq_len=2048))
     # the trainer's split (balanced by FLOPs: the head is worth about two layers) gives rank 0 nine
     split = stage_split(LLAMA8B, 4, seq=2048)
     assert sum(split) == 32 and split[0] > split[-1]
     assert pp4.extra["layers_on_stage"] == split[0]
     # The first stage holds 4 micro-batches in flight with 1F1B and wins over the last stage's head.
     assert pp4.stage == "first" and pp4.extra["in_flight_micro_batches"] == [4]
-    even = estimate_memory(LLAMA8B, Layout(pp=4, grad_acc=8, seq=2048, pp_split="8,8,8,8"))
+    even = estimate_memory(LLAMA8B, Layout(pp=4, grad_accum=8, seq_len=2048, pp_split="8,8,8,8"))
     assert even.extra["layers_on_stage"] == 8 and even.parameters < pp4.parameters
 
 
 def test_pipeline_schedules_in_flight_per_rank():
     def in_flight(**fields):
         return [r.extra["in_flight_micro_batches"] for r in estimate_memory_per_rank(LLAMA8B, Layout(
-            seq=2048, **fields))]
+            seq_len=2048, **fields))]
 
-    assert in_flight(pp=4, grad_acc=16, pp_schedule="gpipe") == [[16]] * 4
-    assert in_flight(pp=4, grad_acc=16, pp_schedule="1f1b") == [[4], [3], [2], [1]]
-    assert in_flight(pp=4, grad_acc=4, pp_schedule="1f1b")[0] == [4]
-    ranks = estimate_memory_per_rank(LLAMA8B, Layout(pp=4, grad_acc=16, seq=2048))
+    assert in_flight(pp=4, grad_accum=16, pp_schedule="gpipe") == [[16]] * 4
+    assert in_flight(pp=4, grad_accum=16, pp_schedule="1f1b") == [[4], [3], [2], [1]]
+    assert in_flight(pp=4, grad_accum=4, pp_schedule="1f1b")[0] == [4]
+    ranks = estimate_memory_per_rank(LLAMA8B, Layout(pp=4, grad_accum=16, seq_len=2048))
     assert [r.stage for r in ranks] == ["first", "middle", "middle", "last"]
     assert ranks[-1].loss_logits > 0 and ranks[0].loss_logits == 0
-    zbv = estimate_memory_per_rank(LLAMA8B, Layout(pp=4, grad_acc=16, seq=2048, pp_schedule="zbv"))
+    zbv = estimate_memory_per_rank(LLAMA8B, Layout(pp=4, grad_accum=16, seq_len=2048, pp_schedule="zbv"))
     assert zbv[0].stage == "first+last" and zbv[0].extra["stages"] == [0, 7]
     assert zbv[0].extra["params_on_gpu"] > zbv[1].extra["params_on_gpu"]  # the embedding and the head
 
 
 def test_gqa_swiglu_per_op_counts_less_than_textbook_mha():
     # Flash attention keeps no s×s scores, so the per-op estimate sits far under the no-recompute textbook.
-    per_op = estimate_memory(LLAMA8B, Layout(seq=4096)).activations
-    textbook = estimate_memory(LLAMA8B, Layout(seq=4096), "textbook").activations
+    per_op = estimate_memory(LLAMA8B, Layout(seq_len=4096)).activations
+    textbook = estimate_memory(LLAMA8B, Layout(seq_len=4096), "textbook").activations
     assert per_op < textbook / 2
 
 
 def test_bad_layouts_say_what_is_wrong():
-    with pytest.raises(UserError) as err:
-        estimate_memory(LLAMA8B, Layout(tp=3, pp=40, zero=4, recompute="some", cp=3, seq=4096))
+    with pytest.raises(UserError) as err:  # each field's own bounds and choices first, as the config does
+        estimate_memory(LLAMA8B, Layout(tp=3, pp=40, zero=4, recompute="some", cp=3, seq_len=4096, dp=0))
+    assert err.value.problems == ["dp must be ≥ 1, got 0", "zero: 4 is not one of 0, 1, 2, 3",
+                                  "recompute: 'some' is not one of none, selective, full"]
+    with pytest.raises(UserError) as err:  # then the rules, all at once
+        estimate_memory(LLAMA8B, Layout(tp=3, pp=40, cp=3, seq_len=4096))
     text = "\n".join(err.value.problems)
     assert "tp=3 does not divide n_heads=32" in text
     assert "pp=40 exceeds n_layers=32" in text
-    assert "--zero must be 0, 1, 2 or 3" in text
     assert "cp=3 does not divide the sequence length 4096" in text
-    assert "'some' is not one of none, selective, full" in text
     with pytest.raises(UserError, match="pp_schedule=interleaved-1f1b runs several stages per rank"):
-        estimate_memory(LLAMA8B, Layout(pp=2, grad_acc=4, pp_schedule="interleaved-1f1b", virtual_stages=1))
-    with pytest.raises(UserError, match="2 micro-batches per step .--grad-acc. are fewer than the 4 pipeline"):
-        estimate_memory(LLAMA8B, Layout(pp=4, grad_acc=2))
+        estimate_memory(LLAMA8B, Layout(pp=2, grad_accum=4, pp_schedule="interleaved-1f1b", pp_virtual_stages=1))
+    with pytest.raises(UserError, match=r"2 micro-batches per step \(grad_accum\) are fewer than the 4 pipeline"):
+        estimate_memory(LLAMA8B, Layout(pp=4, grad_accum=2))
     with pytest.raises(UserError, match="mixture-of-experts"):
         estimate_memory(LLAMA8B, Layout(ep=2))

@@ -5,7 +5,8 @@ from ultratron.config.layouts import config_toml
 from ultratron.errors import UserError
 from ultratron.models.presets import PRESETS
 from ultratron.planning.hardware import get_accelerator
-from ultratron.planning.memory import Layout, estimate_memory
+from ultratron.planning.layout import Layout
+from ultratron.planning.memory import estimate_memory
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import SCHEDULES
 from ultratron.planning.search import (
@@ -20,8 +21,8 @@ H100 = get_accelerator("h100-sxm")
 MILLION = 2**20
 
 
-def spec_for(name, n_gpus, seq=8192, **kw):
-    return SearchSpec(PRESETS[name], H100, n_gpus, 8, MILLION, seq, **kw)
+def spec_for(name, n_gpus, seq_len=8192, **kw):
+    return SearchSpec(PRESETS[name], H100, n_gpus, 8, MILLION, seq_len, **kw)
 
 
 def test_llama3_8b_on_8_gpus_finds_a_fitting_layout_with_reasons():
@@ -31,7 +32,7 @@ def test_llama3_8b_on_8_gpus_finds_a_fitting_layout_with_reasons():
     assert best is not None and 0 < result.too_big < result.considered
     lay = best.layout
     assert lay.n_gpus == 8
-    assert lay.dp * lay.mbs * lay.grad_acc * lay.seq == MILLION
+    assert lay.dp * lay.micro_batch_size * lay.grad_accum * lay.seq_len == MILLION
     assert best.memory.peak_bytes <= spec.usable_bytes
     assert best.reasons[0].startswith("fits: ")
     assert any(r.startswith("step ") for r in best.reasons)
@@ -58,18 +59,18 @@ def test_llama3_70b_on_four_nodes_only_fits_with_sharding():
         lay = est.layout
         assert lay.zero == 3 or lay.tp > 1 or lay.pp > 1, lay.describe()
     # Plain data parallelism with ZeRO-1 cannot hold 2 + 2 + 12/32 bytes × 70.6B params.
-    plain = Layout(dp=32, zero=1, seq=8192, recompute="full")
+    plain = Layout(dp=32, zero=1, seq_len=8192, recompute="full")
     assert estimate_memory(PRESETS["llama3-70b"], plain).peak_bytes > result.spec.usable_bytes
 
 
 def test_enumeration_respects_node_size_heads_and_batch():
-    spec = spec_for("llama3-8b", 16, seq=4096)
+    spec = spec_for("llama3-8b", 16, seq_len=4096)
     layouts = list(enumerate_layouts(spec))
     assert layouts
     for lay in layouts:
         assert lay.tp <= 8 and 32 % lay.tp == 0 and 8 % lay.tp == 0
         assert lay.n_gpus == 16
-        assert lay.dp * lay.mbs * lay.grad_acc * 4096 == MILLION
+        assert lay.dp * lay.micro_batch_size * lay.grad_accum * 4096 == MILLION
         assert lay.pp == 1 or lay.pp_schedule in SCHEDULES
 
 
@@ -78,7 +79,7 @@ def test_cost_model_terms_by_hand():
     shape = PRESETS["llama3-8b"]
     counts = count_params_of(shape)
     flops_per_token = 6 * (counts.layers + shape.vocab_size * shape.dim) + 12 * 32 * 4096 * 8192
-    lay = Layout(dp=8, zero=1, mbs=1, grad_acc=16, seq=8192)
+    lay = Layout(dp=8, zero=1, micro_batch_size=1, grad_accum=16, seq_len=8192)
     est = estimate_step(spec, lay)
     efficiency = 0.6 * (8192 / (8192 + 256)) * (4096 / (4096 + 256))
     assert est.compute_s == pytest.approx(MILLION * flops_per_token / (8 * 989.4e12 * efficiency))
@@ -86,8 +87,9 @@ def test_cost_model_terms_by_hand():
     assert est.dp_comm_s == pytest.approx(ring)
     assert est.step_s == pytest.approx(est.compute_s + est.dp_exposed_s)
     assert est.mfu == pytest.approx(MILLION / est.step_s / 8 * flops_per_token / 989.4e12)
-    piped = estimate_step(spec_for("llama3-8b", 8), Layout(dp=2, zero=1, pp=4, mbs=1, grad_acc=64, seq=8192,
-                                                            pp_schedule="interleaved-1f1b", virtual_stages=2))
+    piped = estimate_step(spec_for("llama3-8b", 8), Layout(dp=2, zero=1, pp=4, micro_batch_size=1, grad_accum=64,
+                                                            seq_len=8192, pp_schedule="interleaved-1f1b",
+                                                            pp_virtual_stages=2))
     pipelined = piped.compute_s + piped.tp_comm_s + piped.cp_exposed_s + piped.pp_comm_s
     assert piped.bubble_s == pytest.approx(pipelined * 3 / (2 * 64))
 
@@ -101,8 +103,8 @@ def test_written_config_loads_and_matches_the_layout(tmp_path):
     lay = best.layout
     assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.zero) == (
         lay.dp, lay.tp, lay.pp, lay.cp, lay.zero)
-    assert cfg.training.batch_tokens == MILLION and cfg.training.micro_batch_size == lay.mbs
-    assert cfg.grad_accum_steps == lay.grad_acc
+    assert cfg.training.batch_tokens == MILLION and cfg.training.micro_batch_size == lay.micro_batch_size
+    assert cfg.grad_accum_steps == lay.grad_accum
     assert cfg.training.recompute == lay.recompute and cfg.model.n_layers == 32
 
 
@@ -111,7 +113,7 @@ def test_a_pipelined_layout_is_written_with_its_schedule_and_the_trainers_split(
     split the search priced is the one the trainer will run (the same function)."""
     from ultratron.planning.pipeline import stage_split
 
-    spec = spec_for("llama3-8b", 16, seq=4096)
+    spec = spec_for("llama3-8b", 16, seq_len=4096)
     piped = [e for e in search(spec, top=0).ranked if e.layout.pp > 1 and e.layout.stages_per_rank > 1]
     assert piped, "the search considers multi-stage schedules"
     est = piped[0]
@@ -121,7 +123,7 @@ def test_a_pipelined_layout_is_written_with_its_schedule_and_the_trainers_split(
     lay = est.layout
     assert (cfg.parallel.pp, cfg.parallel.pp_schedule, cfg.parallel.pp_virtual_stages) == (
         lay.pp, lay.pp_schedule, lay.stages_per_rank)
-    assert cfg.grad_accum_steps == lay.grad_acc
+    assert cfg.grad_accum_steps == lay.grad_accum
     planned = est.memory.extra["layers_per_stage"]
     trainer_split = stage_split(cfg.model, cfg.parallel.pp, cfg.parallel.pp_schedule, cfg.parallel.pp_virtual_stages,
                                 cfg.parallel.pp_balance, cfg.training.seq_len, cfg.parallel.pp_split)
@@ -131,3 +133,17 @@ def test_a_pipelined_layout_is_written_with_its_schedule_and_the_trainers_split(
 def test_bad_search_input():
     with pytest.raises(UserError, match="not a multiple of the sequence length"):
         search(SearchSpec(PRESETS["llama3-8b"], H100, 8, 8, 1000, 4096))
+
+
+def test_fixed_layout_fields_are_kept_and_the_rest_searched(tmp_path):
+    """`plan search --tp 2 --pp-balance params`: only layouts with tp 2, each with the stage balance
+    given (a field the search never varies is set, then the trainer's rules checked again)."""
+    free = search(spec_for("llama3-8b", 8), top=0)
+    fixed = search(spec_for("llama3-8b", 8, fixed={"tp": 2, "pp_balance": "params"}), top=0)
+    assert fixed.ranked and {e.layout.tp for e in fixed.ranked} == {2}
+    assert {e.layout.pp_balance for e in fixed.ranked} == {"params"}
+    assert 0 < fixed.considered < free.considered and "tp=2, pp_balance=params" in fixed.summary[0]
+    hsdp = search(spec_for("llama3-8b", 8, fixed={"dp": 8, "dp_replicate": 2}), top=0)
+    assert hsdp.ranked and all(e.layout.zero >= 2 for e in hsdp.ranked)  # HSDP's rule: the others dropped
+    none = search(spec_for("llama3-8b", 8, fixed={"tp": 3}))
+    assert none.best is None and "no layout for these GPUs and this batch has tp=3" in none.summary[-1]

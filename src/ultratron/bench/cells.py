@@ -1,7 +1,8 @@
 """The cells of a sweep: which layouts, on which models, with which config.
 
 A layout is written as space-separated assignments, short names for the layout fields
-(`dp=2 tp=2 pp=1 zero=1 mbs=4 recompute=selective sp=true pp_schedule=zbv`) or any config field
+(`dp=2 tp=2 pp=1 zero=1 mbs=4 recompute=selective sp=true pp_schedule=zbv`, any layout field by its
+name or `ultratron plan`'s shorter spelling) or any config field
 in full (`training.precision=bf16`). A grid gives comma lists (`dp=1,2,4 tp=1,2`) and takes their
 cartesian product; `--gpus N` keeps the cells with dp·tp·pp = N. The planner's top-K comes from
 `planning.search` for the model, the GPU type and the batch of the base config.
@@ -12,15 +13,16 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ultratron.errors import UserError
+from ultratron.planning.layout import PARALLEL_FIELDS, STEP_FIELDS, Layout, section_of
 
-# short name → the config field it sets
-SHORT = {"dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep",
-         "zero": "parallel.zero", "sp": "parallel.sp", "pp_schedule": "parallel.pp_schedule",
-         "virtual_stages": "parallel.pp_virtual_stages", "mbs": "training.micro_batch_size",
-         "recompute": "training.recompute", "precision": "training.precision"}
+# short name → the config field it sets: each layout field the config has, by its own name and by the
+# shorter spellings of `ultratron plan` (mbs, virtual_stages, seq)
+SHORT = {name: f"{section_of(name)}.{name}" for name in (*PARALLEL_FIELDS, *STEP_FIELDS)}
+SHORT |= {flag[2:].replace("-", "_"): SHORT[f.name] for f in fields(Layout) if f.name in SHORT
+          for flag in f.metadata["flags"]}
 NAME_ORDER = ("dp", "tp", "pp", "zero", "sp", "mbs", "recompute", "pp_schedule", "virtual_stages", "precision")
 
 
@@ -127,7 +129,7 @@ def top_cells(models: list[str], base_cfg_of, accelerator, gpus: int, gpus_per_n
         for rank, est in enumerate(result.ranked, 1):
             lay = est.layout
             values = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero,
-                      "sp": str(lay.sp).lower(), "mbs": lay.mbs, "recompute": lay.recompute}
+                      "sp": str(lay.sp).lower(), "mbs": lay.micro_batch_size, "recompute": lay.recompute}
             if lay.pp > 1:
                 values |= {"pp_schedule": lay.pp_schedule, "virtual_stages": lay.stages_per_rank}
             cells.append(Cell(model, tuple((SHORT[k_], str(v)) for k_, v in values.items()), f"top-{rank}"))

@@ -14,8 +14,10 @@ from __future__ import annotations
 import csv
 import io
 import os
+from dataclasses import replace
 from pathlib import Path
 
+from ultratron import atomic
 from ultratron.bench.cells import Cell
 from ultratron.bench.run import Sweep, read_result
 from ultratron.planning.hardware import Accelerator, get_accelerator
@@ -41,9 +43,8 @@ def _accelerator(gpu: str, result: dict, flops_per_token: float) -> Accelerator 
 def predict(sweep: Sweep, cell: Cell, result: dict, gpu: str) -> dict:
     """The planner's figures for a cell that has a config (an empty dict where it has none)."""
     from ultratron.config import load_config
-    from ultratron.planning.flops import training_flops_per_token
-    from ultratron.planning.memory import Layout, check_layout
-    from ultratron.planning.params import count_params_of
+    from ultratron.planning.flops import flops_per_token_of
+    from ultratron.planning.layout import check_layout
     from ultratron.planning.search import SearchSpec, estimate_step
 
     path = sweep.cell_dir(cell) / "config.toml"
@@ -52,16 +53,13 @@ def predict(sweep: Sweep, cell: Cell, result: dict, gpu: str) -> dict:
     cfg = load_config(path)
     m, par, t = cfg.model, cfg.parallel, cfg.training
     on_cpu = gpu == "cpu" or str(result.get("device", "")).startswith("cpu")
-    layout = Layout(dp=par.dp, zero=par.zero, tp=par.tp, sp=par.sp, pp=par.pp, pp_schedule=par.pp_schedule,
-                    virtual_stages=par.pp_virtual_stages, pp_split=par.pp_split, pp_balance=par.pp_balance,
-                    cp=par.cp, ep=par.ep, mbs=t.micro_batch_size, grad_acc=cfg.grad_accum_steps, seq=t.seq_len,
-                    recompute=t.recompute, precision=t.precision, attention_fp32=on_cpu and t.precision == "bf16")
+    # attention in fp32 for bf16 on a CPU, as the trainer runs it (its device, not a config field)
+    layout = replace(cfg.layout, attention_fp32=on_cpu and t.precision == "bf16")
     fields = {"dp": par.dp, "tp": par.tp, "pp": par.pp, "zero": par.zero, "sp": par.sp, "mbs": t.micro_batch_size,
               "recompute": t.recompute}
     if check_layout(m, layout):
         return fields
-    flops = training_flops_per_token(count_params_of(m), vocab_size=m.vocab_size, dim=m.dim, n_layers=m.n_layers,
-                                     seq_len=t.seq_len)
+    flops = flops_per_token_of(m, t.seq_len)
     acc = _accelerator(gpu, result, flops)
     if acc is None or t.precision not in acc.flops:
         from ultratron.planning.memory import estimate_memory
@@ -99,12 +97,6 @@ def rows(sweep: Sweep, gpu: str) -> list[dict]:
             row["memory_error"] = _error(row["peak_memory_bytes"], row.get("predicted_peak_bytes"))
         out.append({c: row.get(c) for c in COLUMNS})
     return out
-
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    tmp.replace(path)
 
 
 def _csv(table: list[dict]) -> str:
@@ -173,7 +165,8 @@ def heatmap(path: Path, table: list[dict], title: str) -> None:
         ax.set_title(f"{model}, pp={pp}: MFU", fontsize=9)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    _atomic(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    with atomic.atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
 
 
@@ -181,7 +174,7 @@ def write_reports(sweep: Sweep, gpu: str) -> dict[str, Path]:
     """sweep.csv, sweep.md and sweep.png in the sweep directory, from every cell's result so far."""
     table = rows(sweep, gpu)
     paths = {"csv": sweep.root / "sweep.csv", "markdown": sweep.root / "sweep.md", "heatmap": sweep.root / "sweep.png"}
-    _atomic(paths["csv"], lambda tmp: tmp.write_text(_csv(table), encoding="utf-8"))
-    _atomic(paths["markdown"], lambda tmp: tmp.write_text(markdown(table, gpu), encoding="utf-8"))
+    atomic.write_text(paths["csv"], _csv(table))
+    atomic.write_text(paths["markdown"], markdown(table, gpu))
     heatmap(paths["heatmap"], table, f"{sweep.root.name}: measured MFU, planner's prediction and error")
     return paths

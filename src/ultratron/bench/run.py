@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ultratron import atomic
 from ultratron.bench.cells import Cell
 from ultratron.errors import ConfigError, UserError
 
@@ -96,9 +97,7 @@ def open_sweep(root: Path, cells: list[Cell], config: str | None, overrides: lis
 
 def _write_json(path: Path, data) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    atomic.write_json(path, data, indent=1)
 
 
 def read_result(sweep: Sweep, cell: Cell) -> dict | None:

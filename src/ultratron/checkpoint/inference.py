@@ -15,7 +15,7 @@ from ultratron.checkpoint.store import LATEST, CheckpointRoot, resolve_checkpoin
 from ultratron.config import Config, load_config
 from ultratron.data.tokenizer import Tokenizer
 from ultratron.errors import CheckpointError
-from ultratron.models.llama import build_model
+from ultratron.models.registry import build_model
 
 
 @dataclass

@@ -17,6 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
+from ultratron import atomic
 from ultratron.errors import CheckpointError
 
 Location = Path | str
@@ -148,12 +149,7 @@ class Storage:
     def write_bytes(self, loc: Location, data: bytes) -> None:
         """Write a whole file. Local: under a temporary name, flushed, renamed (never half a file)."""
         if isinstance(loc, Path):
-            tmp = loc.with_name(f".{loc.name}.tmp-{os.getpid()}")
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, loc)
+            atomic.write_bytes(loc, data, durable=True)
             return
         self.fs.pipe_file(self._key(loc), data)  # one PUT: an object appears whole or not at all
 

@@ -16,6 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
+from ultratron.atomic import is_temp
 from ultratron.checkpoint.storage import Location, Storage, name_of
 from ultratron.checkpoint.verify import MARKER
 from ultratron.errors import CheckpointError
@@ -62,13 +63,16 @@ def begin(final: Path, tag: str) -> Path:
 
 
 def commit(tmp: Path, final: Path, step: int) -> Path:
-    """Mark `tmp` complete and rename it to `final` (replacing a checkpoint of the same step)."""
-    (tmp / DONE_MARKER).write_text(f"{step}\n")
+    """Publish the checkpoint written in `tmp` as `final` (local disk): the marker goes in last,
+    every file is flushed to disk, and one directory rename then makes all of it visible at once.
+    (A directory, not a file, so `atomic.py`'s file helper is not the tool; a re-save of the same
+    step replaces the old one.)"""
+    (tmp / DONE_MARKER).write_text(f"{step}\n")  # not yet visible: it is inside the temporary directory
     fsync_tree(tmp)
-    if final.exists():  # a re-save of the same step replaces it
+    if final.exists():
         shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
+    os.replace(tmp, final)  # the commit point
+    fsync_dir(final.parent)  # and the rename itself on disk
     return final
 
 
@@ -139,13 +143,8 @@ class CheckpointRoot:
         self.storage.remove(tmp)
 
     def point_latest(self, final: Location) -> None:
-        if isinstance(self.root, Path):
-            tmp = self.root / f".{LATEST}.tmp"
-            tmp.write_text(name_of(final) + "\n")
-            os.replace(tmp, self.root / LATEST)
-            fsync_dir(self.root)
-        else:
-            self.storage.write_text(self.storage.child(LATEST), name_of(final) + "\n")
+        """`latest` names `final` (a whole file either way: atomic.py on disk, one PUT on an object store)."""
+        self.storage.write_text(self.storage.child(LATEST), name_of(final) + "\n")
 
     # ---- retention and cleanup -------------------------------------------------------------------
     def prune(self, protect: Location | None = None) -> list[Location]:
@@ -161,7 +160,7 @@ class CheckpointRoot:
         """What interrupted saves left: temporary directories, and (object store) step directories
         that never got their marker."""
         names = self.storage.names()
-        found = [self.storage.child(n) for n in names if n.startswith((TEMP_PREFIX, f".{LATEST}.tmp"))]
+        found = [self.storage.child(n) for n in names if n.startswith(TEMP_PREFIX) or is_temp(n)]
         if self.storage.remote:
             steps = [self.storage.child(n) for n in names if n.startswith("step-")]
             found += [loc for loc in steps if not self.is_complete(loc)]

@@ -2,8 +2,9 @@
 
   ultratron export hf --checkpoint RUN/checkpoints/latest --out DIR [--dtype float32|bfloat16|float16]
 
-writes a Hugging Face Llama directory (config.json, model.safetensors, tokenizer files) that
-`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads.
+writes a Hugging Face model directory (config.json, model.safetensors, tokenizer files) that
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads: Llama, Qwen2, Qwen3, Mixtral or
+Qwen3-MoE, whichever class holds the model (its family's adapter decides; docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("format", choices=["hf"], help="hf: Hugging Face Llama (safetensors)")
+    parser.add_argument("format", choices=["hf"], help="hf: Hugging Face transformers (safetensors)")
     parser.add_argument("--checkpoint", required=True,
                         help="a checkpoint, checkpoints or run directory; local or a URL such as s3://bucket/prefix")
     parser.add_argument("--checkpoint-endpoint", default=None,
@@ -23,10 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import json
+
     from ultratron.checkpoint.hf import export_hf
     from ultratron.checkpoint.inference import load_for_inference
 
     loaded = load_for_inference(args.checkpoint, endpoint=args.checkpoint_endpoint)
     out = export_hf(loaded.model, loaded.tokenizer, args.out, args.dtype)
-    print(f"exported {loaded.checkpoint_dir} to {out} (Hugging Face Llama, {args.dtype})")
+    architecture = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]
+    print(f"exported {loaded.checkpoint_dir} to {out} ({architecture}, {args.dtype})")
     return 0

@@ -26,7 +26,7 @@ def run(args) -> int:
 
     import torch
 
-    from ultratron.parallel.health import GpuMonitor, matmul_seconds
+    from ultratron.training.health import GpuMonitor, matmul_seconds
 
     host = socket.gethostname()
     gpu = GpuMonitor().check(args.max_temperature)

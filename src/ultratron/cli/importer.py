@@ -2,7 +2,7 @@
 
   ultratron import hf --model HF_DIR --out RUN_DIR [--max-seq-len N]
 
-reads a local Hugging Face Llama-family model (Llama, Mistral, Qwen2: config.json, safetensors —
+reads a local Hugging Face model (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE: config.json, safetensors —
 one file or shards with model.safetensors.index.json — and tokenizer.json) tensor by tensor and
 writes an ultratron run directory: RUN_DIR/checkpoints/step-0000000 (the weights, the tokenizer
 with its chat template) and RUN_DIR/config.toml, whose model section is the imported shape and
@@ -11,7 +11,8 @@ whose model.init_from points at the import. Continue training with
   ultratron train --config RUN_DIR/config.toml --data.path DATA --run.dir runs/NEW
 
 (or in place: --run.dir RUN_DIR --checkpoint.resume auto); evaluate, serve or export RUN_DIR
-like any checkpoint. What does not map onto ultratron's Llama is refused, each reason on a line.
+like any checkpoint. What does not map onto ultratron's decoder is refused, each reason on a line
+(DeepSeek-V3: its multi-head latent attention).
 Nothing is downloaded: HF_DIR is a directory on disk.
 """
 
@@ -21,7 +22,8 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("format", choices=["hf"], help="hf: a Hugging Face Llama-family model directory")
+    parser.add_argument("format", choices=["hf"],
+                        help="hf: a Hugging Face model directory (Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE)")
     parser.add_argument("--model", required=True, help="the local Hugging Face model directory")
     parser.add_argument("--out", required=True, help="the run directory to write (must not hold a run)")
     parser.add_argument("--max-seq-len", type=int, default=None,

@@ -6,7 +6,11 @@
   ultratron plan search  --model llama3-8b --gpu h100-sxm --gpus 8 --batch-tokens 1048576 --seq 8192
   ultratron plan memory  --model mixtral-8x7b --dp 8 --ep 8 --zero 3 --seq 4096   (a mixture of experts)
 
-Comma-separated values in `plan memory` sweep a layout field; --chart FILE.png draws the terms.
+The model and layout flags are generated from their definitions (`models.presets.ModelShape`,
+`planning.layout.Layout`), the same the trainer's config takes: `--tp` is `parallel.tp`,
+`--seq-len` (or `--seq`) `training.seq_len`. Comma-separated values in `plan memory` sweep a
+layout field; --chart FILE.png draws the terms. `plan search` searches every layout field not
+given and keeps the ones given.
 """
 
 from __future__ import annotations
@@ -14,80 +18,54 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
-from dataclasses import asdict
-from dataclasses import fields as dataclass_fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
-from types import SimpleNamespace
 
+from ultratron import atomic
 from ultratron.cli.plan_output import gib, human, stacked_bars, table, varying_labels, wrap
+from ultratron.cli.plan_scaling import add_scaling_arguments
+from ultratron.config.loader import add_arguments as add_field_flags
+from ultratron.config.loader import coerce, type_hints
 from ultratron.errors import UserError
+from ultratron.fields import MISSING, field_problems
 from ultratron.models.presets import PRESETS, ModelShape
-from ultratron.planning import hardware, scaling
-from ultratron.planning.memory import (
-    ACTIVATION_MODELS,
-    PRECISIONS,
-    GiB,
-    Layout,
-    MemoryBreakdown,
-    estimate_memory_per_rank,
-)
+from ultratron.planning import hardware
+from ultratron.planning.layout import Layout
+from ultratron.planning.memory import ACTIVATION_MODELS, GiB, MemoryBreakdown, estimate_memory_per_rank
 from ultratron.planning.params import count_params_of
-from ultratron.planning.pipeline import BALANCES, SCHEDULES
 from ultratron.planning.rules import shape_problems
 
-SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
-# optional shape fields (a preset's or ModelShape's default when not given): head width, MoE
-OPTIONAL_FIELDS = ("head_dim", "n_experts", "n_active_experts", "n_shared_experts", "expert_ffn_dim", "n_dense_layers")
-SWEEPABLE = ("dp", "zero", "tp", "pp", "pp_schedule", "virtual_stages", "cp", "ep", "mbs", "grad_acc", "seq",
-             "recompute")
-TEXT_SWEEPS = ("pp_schedule", "recompute")
+# A shape field no estimate reads (the config `plan search` writes does) stands in for itself when
+# neither --model nor its flag gives it: Llama 3's RoPE base; max_seq_len: the longest sequence planned.
+ROPE_THETA = 500_000.0
+WHOLE = ("pp_split",)  # a layout field whose one value is itself a comma list: never swept
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="plan_command", metavar="{memory,estimate,scaling,search}")
     sub.required = True
     mem = sub.add_parser("memory", help="bytes per GPU for a model and one or more layouts")
-    _layout_arguments(mem, lists=True)
+    _model_and_layout_arguments(mem, "a comma list sweeps a field; the trainer's parallel.* and training.* "
+                                     "fields of the same names")
     mem.add_argument("--json", action="store_true", help="print JSON (with peak_bytes) instead of a table")
     mem.add_argument("--chart", metavar="PNG", help="stacked bars of the terms per layout")
     mem.set_defaults(plan_run=run_memory)
 
     est = sub.add_parser("estimate", help="peak memory, step time, tokens/s/GPU and MFU of one layout")
-    _layout_arguments(est, lists=False)
+    _model_and_layout_arguments(est, "the trainer's parallel.* and training.* fields of the same names")
     _hardware_arguments(est)
     est.add_argument("--json", action="store_true", help="print JSON (peak_bytes, step_seconds, "
                                                          "tokens_per_sec_per_gpu, mfu and their terms)")
     est.set_defaults(plan_run=run_estimate)
 
-    sc = sub.add_parser("scaling", help="compute-optimal size and tokens, time, cost, checkpoint storage")
-    sc.add_argument("--flops", type=float, help="compute budget in FLOPs")
-    sc.add_argument("--gpus", type=int, help="GPU count (for a budget from GPU-days, and for time)")
-    sc.add_argument("--gpu", default="h100-sxm", help=f"GPU type: {', '.join(hardware.ACCELERATORS)}")
-    sc.add_argument("--days", type=float, help="days on --gpus GPUs (budget from GPU-days)")
-    sc.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (default 0.4)")
-    sc.add_argument("--model", help="a preset to time instead of the compute-optimal size")
-    sc.add_argument("--params", type=float, help="(active) parameters of the model to time")
-    sc.add_argument("--total-params", type=float, help="MoE: total parameters (memory, checkpoints)")
-    sc.add_argument("--moe-total-to-active", type=float, default=1.0,
-                    help="MoE: total/active parameter ratio applied to compute-optimal (active) sizes")
-    sc.add_argument("--tokens", type=float, help="training tokens of the model to time")
-    sc.add_argument("--tokens-per-param", type=float, default=20.0)
-    sc.add_argument("--price-per-gpu-hour", type=float, default=0.0, help="USD; 0 leaves cost out")
-    sc.add_argument("--batch-tokens", type=float, default=4 * 2**20, help="tokens per step (for step counts)")
-    sc.add_argument("--save-interval", type=int, default=1000, help="steps between checkpoints")
-    sc.add_argument("--keep", type=int, default=3, help="checkpoints kept on disk")
-    sc.add_argument("--json", action="store_true")
-    sc.set_defaults(plan_run=run_scaling)
+    add_scaling_arguments(sub.add_parser("scaling", help="compute-optimal size and tokens, time, cost, checkpoint "
+                                                         "storage"))
 
     se = sub.add_parser("search", help="fastest layout that fits; writes its config")
-    _model_arguments(se)
+    _model_and_layout_arguments(se, "searched when not given; a value given is kept", search=True)
     _hardware_arguments(se)
     se.add_argument("--gpus", type=int, required=True, help="total GPU count")
     se.add_argument("--batch-tokens", type=int, required=True, help="global batch in tokens")
-    se.add_argument("--seq", type=int, required=True, help="sequence length")
-    se.add_argument("--precision", default="bf16", choices=PRECISIONS)
-    se.add_argument("--activation-model", default="per-op", choices=ACTIVATION_MODELS)
     se.add_argument("--top", type=int, default=5, help="layouts to print")
     se.add_argument("--out", default="plan-best.toml", help="config for the best layout ('-' to skip)")
     se.add_argument("--json", action="store_true")
@@ -95,29 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     se.set_defaults(plan_run=run_search)
 
 
-def _layout_arguments(parser: argparse.ArgumentParser, lists: bool) -> None:
-    """The model and one layout's fields (`lists`: integer and text fields take comma lists to sweep)."""
-    _model_arguments(parser)
-    what = "integer or comma list" if lists else "integer"
-    for name, default in (("dp", "1"), ("zero", "0"), ("tp", "1"), ("pp", "1"), ("virtual-stages", "0"),
-                          ("cp", "1"), ("ep", "1"), ("mbs", "1"), ("grad-acc", "1"), ("seq", "4096")):
-        extra = "; pipeline stages per rank, 0: the schedule's own" if name == "virtual-stages" else ""
-        parser.add_argument(f"--{name}", default=default, help=f"{what} (default {default}{extra})")
-    parser.add_argument("--sp", action="store_true", help="sequence parallel (with tp > 1)")
-    parser.add_argument("--pp-schedule", default="1f1b",
-                        help=f"pipeline schedule, as the trainer's parallel.pp_schedule: {', '.join(SCHEDULES)}"
-                             + (", or a comma list" if lists else ""))
-    parser.add_argument("--pp-split", help="layers per pipeline stage, comma-separated (as parallel.pp_split)")
-    parser.add_argument("--pp-balance", default="flops", choices=BALANCES,
-                        help="what the default stage split evens out (as parallel.pp_balance)")
-    parser.add_argument("--recompute", default="none", help="none|selective|full" + (", or a comma list" if lists
-                                                                                  else ""))
-    parser.add_argument("--precision", default="bf16", choices=PRECISIONS)
-    parser.add_argument("--fp32-grad-accum", action="store_true",
-                        help="price the Megatron-LM convention instead of the trainer's: bf16 weights, fp32 main "
-                             "gradients (no bf16 copy), fp32 master weights")
-    parser.add_argument("--attention-fp32", action="store_true",
-                        help="attention computed in fp32 under bf16 (as ultratron does on CPU)")
+def _model_and_layout_arguments(parser: argparse.ArgumentParser, layout_help: str, search: bool = False) -> None:
+    """The model flags (a preset, then each `ModelShape` field over it) and one flag per `Layout`
+    field, generated from their definitions."""
+    parser.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (the shape flags override it)")
+    add_field_flags(parser.add_argument_group("model shape (default: the preset's)"), ModelShape, unset=True)
+    add_field_flags(parser.add_argument_group(f"layout ({layout_help})"), Layout, unset=search, text=True,
+                    required=("seq_len",) if search else ())
     parser.add_argument("--activation-model", default="per-op", choices=ACTIVATION_MODELS,
                         help="per-op: what ultratron's trainer keeps; textbook: Korthikanti et al. 2022")
 
@@ -129,70 +91,67 @@ def _hardware_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--efficiency", type=float, default=0.6, help="large-matmul fraction of peak (default 0.6)")
 
 
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (explicit fields below override it)")
-    for name in SHAPE_FIELDS:
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name)
-    for name in OPTIONAL_FIELDS:
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name,
-                            help="mixture of experts (as model." + name + ")" if name != "head_dim" else
-                            "attention head width (0: dim / n-heads)")
-    parser.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--qk-norm", action="store_true")
-
-
 def run(args) -> int:
     return int(args.plan_run(args) or 0)
 
 
 # ---- shared --------------------------------------------------------------------------------
 
-def resolve_shape(args) -> SimpleNamespace:
-    """The model shape from --model and/or the explicit fields; every missing field is one problem line."""
-    values: dict = {f.name: f.default for f in dataclass_fields(ModelShape) if f.name in OPTIONAL_FIELDS}
+def _flag(field: str) -> str:
+    """`model.n_heads` or `n_heads` → `--n-heads`."""
+    return "--" + field.rsplit(".", 1)[-1].replace("_", "-")
+
+
+def resolve_shape(args, seq_len: int) -> ModelShape:
+    """The model shape from --model and/or the shape flags; every missing field is one problem line."""
+    values: dict = {"rope_theta": ROPE_THETA, "max_seq_len": seq_len}
     if args.model:
         if args.model not in PRESETS:
             raise UserError(f"unknown model preset {args.model!r}; known: {', '.join(PRESETS)}")
         values = asdict(PRESETS[args.model])
-    for name in (*SHAPE_FIELDS, *OPTIONAL_FIELDS, "tie_embeddings"):
-        if getattr(args, name, None) is not None:
-            values[name] = getattr(args, name)
-    missing = [f"--{n.replace('_', '-')}" for n in (*SHAPE_FIELDS, "tie_embeddings") if values.get(n) is None]
+    values |= {f.name: getattr(args, f.name) for f in fields(ModelShape) if getattr(args, f.name) is not None}
+    missing = [_flag(f.name) for f in fields(ModelShape) if f.name not in values
+               and f.default is MISSING and f.default_factory is MISSING]
     if missing:
         raise UserError(f"without --model these are needed: {', '.join(missing)}")
-    problems = [f"--{n.replace('_', '-')} must be positive, got {values[n]}" for n in SHAPE_FIELDS if values[n] <= 0]
-    if not problems:
-        problems = shape_problems(SimpleNamespace(**values), name=lambda f: "--" + f.split(".")[1].replace("_", "-"))
+    shape = ModelShape(**values)
+    problems = field_problems(shape, _flag) or shape_problems(shape, name=_flag)
     if problems:
         raise UserError(problems)
-    values["qk_norm"] = bool(getattr(args, "qk_norm", False) or values.get("qk_norm", False))
-    return SimpleNamespace(**values)
+    return shape
+
+
+def layout_values(args) -> dict[str, list]:
+    """Each layout flag given: its values, typed as the field (a comma list sweeps)."""
+    hints, values, problems = type_hints(Layout), {}, []
+    for f in fields(Layout):
+        raw = getattr(args, f.name)
+        if raw is None or isinstance(raw, bool):
+            values |= {} if raw is None else {f.name: [raw]}
+            continue
+        items = [raw] if f.name in WHOLE else [item for item in raw.split(",") if item.strip()] or [raw]
+        try:
+            values[f.name] = [coerce(item, hints[f.name], _flag(f.name), from_string=True) for item in items]
+        except ValueError as err:
+            problems.append(str(err))
+    if problems:
+        raise UserError(problems)
+    return values
+
+
+def memory_layouts(args) -> list[Layout]:
+    """The layouts of the flags: every combination of the comma lists."""
+    values = layout_values(args)
+    layouts = [Layout(**dict(zip(values, combo, strict=True))) for combo in itertools.product(*values.values())]
+    # --sp over a sweep of tp: sequence parallel where there is tensor parallelism to split
+    return [replace(lay, sp=lay.sp and lay.tp > 1) if len(values["tp"]) > 1 else lay for lay in layouts]
 
 
 # ---- memory --------------------------------------------------------------------------------
 
-def _int_list(name: str, text: str) -> list[int]:
-    try:
-        return [int(part) for part in str(text).split(",") if part.strip()]
-    except ValueError:
-        raise UserError(f"--{name.replace('_', '-')} expects integers (or a comma list), got {text!r}") from None
-
-
-def memory_layouts(args) -> list[Layout]:
-    sweep: dict[str, list] = {}
-    for name in SWEEPABLE:
-        raw = getattr(args, name)
-        sweep[name] = [v.strip() for v in str(raw).split(",")] if name in TEXT_SWEEPS else _int_list(name, raw)
-    base = dict(sp=args.sp, pp_split=args.pp_split, pp_balance=args.pp_balance,
-                precision=args.precision,
-                fp32_grad_accum=args.fp32_grad_accum,
-                attention_fp32=args.attention_fp32)
-    return [Layout(**base, **dict(zip(sweep, combo, strict=True))) for combo in itertools.product(*sweep.values())]
-
-
 def run_memory(args) -> int:
-    shape = resolve_shape(args)
     layouts = memory_layouts(args)
+    shape = resolve_shape(args, max(1, *(lay.seq_len for lay in layouts)))
     if len(layouts) > 64:
         raise UserError(f"the sweep makes {len(layouts)} layouts; keep it to 64 or fewer")
     results: list[tuple[Layout, MemoryBreakdown]] = []
@@ -211,7 +170,7 @@ def run_memory(args) -> int:
     counts = count_params_of(shape)
     if args.json:
         print(json.dumps({
-            "model": vars(shape), "params": counts.total, "activation_model": args.activation_model,
+            "model": asdict(shape), "params": counts.total, "activation_model": args.activation_model,
             "peak_bytes": max(m.peak_bytes for _, m in results),
             "layouts": [{"layout": asdict(lay), "describe": lay.describe(), **mem.as_dict(),
                          "pipeline_ranks": [r.as_dict() for r in ranks] if lay.pp > 1 else []}
@@ -232,7 +191,7 @@ def run_memory(args) -> int:
             moe = (f"; experts: {human(experts)} params on the GPU (their parameters, gradients and optimizer "
                    f"state, split over ep·tp, not ZeRO-sharded), all-to-all buffers {gib(m.extra['all_to_all_bytes'])}"
                    f" GiB (in comm_buffers)") if experts else ""
-            print(f"#{i + 1}: {lay.describe()} seq={lay.seq} {lay.precision}"
+            print(f"#{i + 1}: {lay.describe()} seq={lay.seq_len} {lay.precision}"
                   f"{' fp32-grad-accum' if lay.fp32_grad_accum else ''}{moe}")
     if args.chart:
         labels = varying_labels([lay for lay, _ in results])
@@ -240,84 +199,6 @@ def run_memory(args) -> int:
         stacked_bars(args.chart, labels, series, "GiB per GPU", f"{args.model or 'custom model'}: memory per GPU")
         if not args.json:
             print(f"chart: {args.chart}")
-    return 0
-
-
-# ---- scaling -------------------------------------------------------------------------------
-
-def run_scaling(args) -> int:
-    problems = []
-    for name in ("flops", "gpus", "days", "params", "total_params", "tokens", "batch_tokens"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            problems.append(f"--{name.replace('_', '-')} must be positive, got {value:g}")
-    if not 0 < args.mfu <= 1:
-        problems.append(f"--mfu must lie in (0, 1], got {args.mfu}")
-    if args.flops is None and (args.gpus is None or args.days is None) and args.params is None and not args.model:
-        problems.append("give a budget: --flops C, or --gpus N --days D (with --gpu and --mfu), "
-                        "or a model to time: --model PRESET / --params N with --tokens D")
-    if problems:
-        raise UserError(problems)
-    acc = hardware.get_accelerator(args.gpu)
-    peak = acc.flops["bf16"]
-    budget = args.flops
-    budget_source = "given"
-    if budget is None and args.gpus and args.days:
-        budget = scaling.budget_flops(args.gpus, args.days, args.mfu, peak)
-        budget_source = f"{args.gpus} × {acc.name} × {args.days:g} days at MFU {args.mfu:.0%}"
-    out: dict = {"budget_flops": budget, "budget_source": budget_source, "rows": []}
-    rows = []
-    if budget:
-        for alloc in (scaling.compute_optimal(budget, scaling.FITS["epoch"]),
-                      scaling.compute_optimal(budget, scaling.FITS["hoffmann"]),
-                      scaling.tokens_per_param_rule(budget, args.tokens_per_param)):
-            rows.append((alloc.method, alloc.params, alloc.params * args.moe_total_to_active, alloc.tokens,
-                         alloc.loss))
-    if args.model or args.params:
-        if args.model and args.model not in PRESETS:
-            raise UserError(f"unknown model preset {args.model!r}; known: {', '.join(PRESETS)}")
-        counts = count_params_of(PRESETS[args.model]) if args.model else None
-        active = args.params or counts.active
-        total = args.total_params or (counts.total if counts and not args.params else active)
-        tokens = args.tokens or args.tokens_per_param * active
-        rows.append((args.model or "given model", active, total, tokens, scaling.FITS["epoch"].loss(active, tokens)))
-    for method, active, total, tokens, loss in rows:
-        flops = 6 * active * tokens
-        row = {"method": method, "active_params": active, "total_params": total, "tokens": tokens,
-               "tokens_per_param": tokens / active, "flops": flops, "loss": loss}
-        if args.gpus:
-            seconds = scaling.training_seconds(flops, args.gpus, args.mfu, peak)
-            row.update(days=seconds / 86400, gpu_hours=seconds * args.gpus / 3600,
-                       cost_usd=seconds * args.gpus / 3600 * args.price_per_gpu_hour)
-        steps = math.ceil(tokens / args.batch_tokens)
-        store = scaling.checkpoint_storage(total, steps, args.save_interval, args.keep)
-        row.update(steps=steps, checkpoint_bytes=store.checkpoint_bytes, storage_peak_bytes=store.peak_bytes,
-                   storage_written_bytes=store.written_bytes, saves=store.saves)
-        out["rows"].append(row)
-    out["fits"] = {name: fit.source for name, fit in scaling.FITS.items()}
-    if args.json:
-        print(json.dumps(out, indent=1))
-        return 0
-    if budget:
-        print(f"compute budget: {budget:.3g} FLOPs ({budget_source}); C = 6·N·D")
-    header = ["allocation", "active N", "total N", "tokens D", "D/N", "loss", "ckpt", "disk (kept)"]
-    if args.gpus:
-        header += [f"days on {args.gpus}×{acc.name}", "GPU-hours"] + (["cost $"] if args.price_per_gpu_hour else [])
-    lines = []
-    for r in out["rows"]:
-        cells = [r["method"], human(r["active_params"]), human(r["total_params"]), human(r["tokens"]),
-                 f"{r['tokens_per_param']:.1f}", "—" if r["loss"] is None else f"{r['loss']:.3f}",
-                 f"{r['checkpoint_bytes'] / 1e9:,.0f} GB", f"{r['storage_peak_bytes'] / 1e12:,.2f} TB"]
-        if args.gpus:
-            cells += [f"{r['days']:.1f}", f"{r['gpu_hours']:,.0f}"]
-            if args.price_per_gpu_hour:
-                cells.append(f"{r['cost_usd']:,.0f}")
-        lines.append(cells)
-    print(table(header, lines))
-    print("fits: epoch = " + scaling.FITS["epoch"].source + "; hoffmann = " + scaling.FITS["hoffmann"].source)
-    print(f"checkpoint = weights bf16 + fp32 master + 2 Adam moments (14 bytes × total params); "
-          f"saved every {args.save_interval} steps of {human(args.batch_tokens)} tokens, {args.keep} kept "
-          f"(+1 while writing)")
     return 0
 
 
@@ -335,12 +216,12 @@ def _hardware_problems(args) -> list[str]:
 
 
 def run_estimate(args) -> int:
-    from ultratron.planning.memory import check_layout
+    from ultratron.planning.layout import check_layout
     from ultratron.planning.search import SearchSpec, estimate_step
 
-    shape = resolve_shape(args)
-    acc = hardware.get_accelerator(args.gpu)
     layouts = memory_layouts(args)
+    shape = resolve_shape(args, max(1, layouts[0].seq_len))
+    acc = hardware.get_accelerator(args.gpu)
     if len(layouts) > 1:
         raise UserError("plan estimate takes one layout; `ultratron plan memory` sweeps comma lists")
     layout = layouts[0]
@@ -351,11 +232,11 @@ def run_estimate(args) -> int:
         raise UserError(problems)
     gpus = layout.n_gpus
     spec = SearchSpec(shape, acc, gpus, args.gpus_per_node or min(acc.gpus_per_node, gpus),
-                      layout.dp * layout.mbs * layout.grad_acc * layout.seq, layout.seq, layout.precision,
-                      args.headroom, args.efficiency, activation_model=args.activation_model)
+                      layout.dp * layout.micro_batch_size * layout.grad_accum * layout.seq_len, layout.seq_len,
+                      layout.precision, args.headroom, args.efficiency, activation_model=args.activation_model)
     est = estimate_step(spec, layout)
     if args.json:
-        print(json.dumps({"model": vars(shape), "gpu": acc.name, "n_gpus": gpus, "gpus_per_node": spec.gpus_per_node,
+        print(json.dumps({"model": asdict(shape), "gpu": acc.name, "n_gpus": gpus, "gpus_per_node": spec.gpus_per_node,
                           "batch_tokens": spec.global_batch_tokens, "usable_bytes": spec.usable_bytes,
                           "fits": est.memory.peak_bytes <= spec.usable_bytes, "efficiency": spec.efficiency,
                           "overlap": spec.overlap, **est.as_dict()}, indent=1))
@@ -375,23 +256,26 @@ def run_search(args) -> int:
     from ultratron.config.layouts import config_toml
     from ultratron.planning.search import SearchSpec, search
 
-    shape = resolve_shape(args)
+    fixed = layout_values(args)
+    shape = resolve_shape(args, max(1, fixed["seq_len"][0]))
     acc = hardware.get_accelerator(args.gpu)
-    problems = [f"--{n.replace('_', '-')} must be positive, got {getattr(args, n)}"
-                for n in ("gpus", "batch_tokens", "seq") if getattr(args, n) <= 0]
-    problems += _hardware_problems(args)
+    problems = [f"plan search keeps one value of {_flag(name)}, got {len(v)}; `plan memory` sweeps comma lists"
+                for name, v in fixed.items() if len(v) > 1]
+    fixed = {name: v[0] for name, v in fixed.items()}
+    problems += field_problems(Layout(**fixed), _flag) + _hardware_problems(args)
+    problems += [f"--{n.replace('_', '-')} must be positive, got {getattr(args, n)}"
+                 for n in ("gpus", "batch_tokens") if getattr(args, n) <= 0]
     if problems:
         raise UserError(problems)
+    seq_len, precision = fixed.pop("seq_len"), fixed.pop("precision", Layout.precision)
     spec = SearchSpec(shape, acc, args.gpus, args.gpus_per_node or min(acc.gpus_per_node, args.gpus),
-                      args.batch_tokens, args.seq, args.precision, args.headroom, args.efficiency,
-                      activation_model=args.activation_model)
+                      args.batch_tokens, seq_len, precision, args.headroom, args.efficiency,
+                      activation_model=args.activation_model, fixed=fixed)
     result = search(spec, top=args.top)
     wrote = None
     if result.best and args.out != "-":
         path = Path(args.out)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(config_toml(spec, result.best, args.model))
-        tmp.replace(path)
+        atomic.write_text(path, config_toml(spec, result.best, args.model))
         wrote = str(path)
     if args.json:
         print(json.dumps({"summary": result.summary, "considered": result.considered, "too_big": result.too_big,
@@ -410,8 +294,7 @@ def run_search(args) -> int:
     if args.chart and result.ranked:
         labels = [f"#{i + 1}\n" + wrap(e.layout.describe()) for i, e in enumerate(result.ranked)]
         parts = {"compute": "compute_s", "TP": "tp_comm_s", "CP exposed": "cp_exposed_s", "EP all-to-all": "ep_comm_s",
-                 "PP p2p": "pp_comm_s",
-                 "bubble": "bubble_s", "DP exposed": "dp_exposed_s"}
+                 "PP p2p": "pp_comm_s", "bubble": "bubble_s", "DP exposed": "dp_exposed_s"}
         series = {name: [getattr(e, attr) for e in result.ranked] for name, attr in parts.items()}
         stacked_bars(args.chart, labels, series, "seconds per step",
                       f"{args.model or 'custom'} on {args.gpus} × {acc.name}: step time")

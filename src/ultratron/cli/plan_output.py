@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import fields as dataclass_fields
 
-from ultratron.planning.memory import GiB, Layout
+from ultratron.planning.layout import Layout
+from ultratron.planning.memory import GiB
 
 
 def gib(value: float) -> str:

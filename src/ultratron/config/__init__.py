@@ -14,7 +14,6 @@ from ultratron.config.training import (
     ParallelConfig,
     RunConfig,
     TrainingConfig,
-    from_dict,
     load_config,
     resolve_model,
     validate,
@@ -22,5 +21,5 @@ from ultratron.config.training import (
 from ultratron.errors import ConfigError
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "EndpointConfig", "EvalConfig", "ModelConfig",
-           "OptimConfig", "ParallelConfig", "RunConfig", "TrainingConfig", "did_you_mean", "from_dict", "load_config",
+           "OptimConfig", "ParallelConfig", "RunConfig", "TrainingConfig", "did_you_mean", "load_config",
            "resolve_model", "to_dict", "to_toml", "validate"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ultratron.config.loader import option
 from ultratron.config.training import EndpointConfig
+from ultratron.fields import option
 
 
 @dataclass

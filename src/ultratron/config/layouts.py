@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ultratron.config.loader import to_toml
 from ultratron.config.training import Config
-from ultratron.planning.memory import GiB, Layout
+from ultratron.models.presets import ModelShape
+from ultratron.planning.layout import Layout
+from ultratron.planning.memory import GiB
 from ultratron.planning.search import Estimate, SearchSpec
 
 
@@ -13,27 +17,13 @@ def layout_config(spec: SearchSpec, layout: Layout, preset: str | None = None):
     cfg = Config()
     model = cfg.model
     model.preset = preset
-    for name in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings"):
-        setattr(model, name, getattr(spec.shape, name))
-    for name in ("head_dim", "qk_norm", "n_experts", "n_active_experts", "n_shared_experts", "expert_ffn_dim",
-                 "n_dense_layers", "router_score"):  # (absent from a custom shape: the preset's or the default)
-        if getattr(spec.shape, name, None) is not None:
-            setattr(model, name, getattr(spec.shape, name))
-    model.max_seq_len = max(layout.seq, getattr(spec.shape, "max_seq_len", 0) or 0)
+    for f in dataclasses.fields(ModelShape):  # (a field a custom shape leaves unset: the preset's or the default)
+        if getattr(spec.shape, f.name, None) is not None:
+            setattr(model, f.name, getattr(spec.shape, f.name))
+    model.max_seq_len = max(layout.seq_len, getattr(spec.shape, "max_seq_len", 0) or 0)
     model.rope_theta = getattr(spec.shape, "rope_theta", None) or 500_000.0
-    par = cfg.parallel
-    par.dp, par.zero, par.tp, par.sp, par.pp, par.cp, par.ep = (
-        layout.dp, layout.zero, layout.tp, layout.sp, layout.pp, layout.cp, layout.ep)
-    if layout.pp > 1:
-        par.pp_schedule, par.pp_virtual_stages = layout.pp_schedule, layout.stages_per_rank
-        par.pp_split, par.pp_balance = layout.pp_split, layout.pp_balance
-    train = cfg.training
-    train.batch_tokens = spec.global_batch_tokens
-    train.micro_batch_size = layout.mbs
-    train.seq_len = layout.seq
-    train.precision = layout.precision
-    train.recompute = layout.recompute
-    train.device = "cuda"
+    cfg.layout = layout
+    cfg.training.device = "cuda"
     cfg.run.dir = f"runs/{preset or 'custom'}-{spec.n_gpus}x{spec.accelerator.name.replace(' ', '-').lower()}"
     return cfg
 

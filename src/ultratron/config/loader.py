@@ -8,13 +8,15 @@ the definition, written once.
 
   sections:  TOML tables and `--section.field value` overrides  (read_toml, apply_tables, apply_overrides)
   flat:      argparse flags `--field-name value`                 (add_arguments, from_arguments, to_flags)
+
+The field definitions themselves (`option`, `field_problems`, `take_fields`) are in
+`ultratron/fields.py`, below every layer, so the model shape and the planner's layout use them too.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import functools
 import tomllib
 import types
@@ -23,17 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ultratron.errors import ConfigError
-
-MISSING = dataclasses.MISSING
-
-
-def option(default: Any = MISSING, help: str = "", *, factory: Any = MISSING, choices: tuple = (),
-           flags: tuple[str, ...] = ()) -> Any:
-    """A dataclass field with its help text, allowed values and (for flat settings) extra flag names."""
-    metadata = {"help": help, "choices": tuple(choices), "flags": tuple(flags)}
-    if factory is not MISSING:
-        return dataclasses.field(default_factory=factory, metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
+from ultratron.fields import MISSING, did_you_mean, field_problems
 
 
 @functools.cache
@@ -46,12 +38,6 @@ def type_hints(cls: type) -> dict[str, Any]:
 def sections_of(cfg_or_cls: Any) -> dict[str, type]:
     """Section name → its dataclass, for a dataclass of section dataclasses."""
     return type_hints(cfg_or_cls if isinstance(cfg_or_cls, type) else type(cfg_or_cls))
-
-
-def did_you_mean(name: str, options: list[str]) -> str:
-    """' (did you mean X?)' for the closest option, or '' when none is close."""
-    close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # ---- values --------------------------------------------------------------------------------
@@ -233,22 +219,12 @@ def build(cls: type, path: str | Path | None = None, overrides: list[str] | None
 
 
 def choice_problems(cfg: Any) -> list[str]:
-    """Fields whose value is not among their declared choices (sectioned or flat configs)."""
-    problems = []
-    targets = ([(name, getattr(cfg, name)) for name in sections_of(cfg)]
-               if all(dataclasses.is_dataclass(getattr(cfg, f.name)) for f in dataclasses.fields(cfg))
-               else [("", cfg)])
-    for prefix, section in targets:
-        for f in dataclasses.fields(section):
-            allowed = f.metadata.get("choices", ())
-            value = getattr(section, f.name)
-            values = value if isinstance(value, list) else [value]
-            for item in values:
-                if allowed and item is not None and item not in allowed:
-                    name = f"{prefix}.{f.name}" if prefix else f.name
-                    problems.append(f"{name}: {item!r} is not one of {', '.join(map(str, allowed))}"
-                                    f"{did_you_mean(str(item), [str(a) for a in allowed])}")
-    return problems
+    """Fields whose value is not among their declared choices or below their declared minimum
+    (sectioned or flat configs), named as the user writes them (`section.field`)."""
+    if not all(dataclasses.is_dataclass(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)):
+        return field_problems(cfg)
+    return [line for section in sections_of(cfg)
+            for line in field_problems(getattr(cfg, section), lambda field, s=section: f"{s}.{field}")]
 
 
 def _toml_value(value: Any) -> str:
@@ -297,25 +273,34 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
-    """One flag per field of a flat settings dataclass (`--field-name`), typed, with its help and default."""
+def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *, unset: bool = False,
+                  text: bool = False, required: tuple[str, ...] = ()) -> None:
+    """One flag per field of a flat settings dataclass (`--field-name`, and the field's extra `flags`),
+    typed, with its help and default. `unset`: every default is None, so the caller tells a flag
+    given from one left out; `text`: values other than true/false stay text for the caller to parse
+    (comma lists, say, with `coerce`); `required`: fields that must be given."""
     hints = type_hints(cls)
     for f in dataclasses.fields(cls):
         base, _ = _base_type(hints[f.name])
         names = [_flag(f.name), *f.metadata.get("flags", ())]
-        required = f.default is MISSING and f.default_factory is MISSING
-        default = None if required else (f.default if f.default is not MISSING else f.default_factory())
-        text = f.metadata.get("help", "")
+        own_default = None if f.default is MISSING and f.default_factory is MISSING else (
+            f.default if f.default is not MISSING else f.default_factory())
+        must = f.name in required or (not unset and f.default is MISSING and f.default_factory is MISSING)
+        default = None if unset or must else own_default
+        text_help = f.metadata.get("help", "")
         if base is bool:
-            parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=text)
+            parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=text_help)
             continue
-        shown = "" if required or default in (None, "") else f" (default {default})"
-        kwargs: dict[str, Any] = {"dest": f.name, "help": text + shown, "required": required}
-        if not required:
-            kwargs["default"] = default
-        if base in (int, float):
+        shown = "" if must or unset or own_default in (None, "") else f" (default {own_default})"
+        if text and f.metadata.get("choices"):  # (argparse would list them, had it the values to check)
+            shown = f" ({', '.join(map(str, f.metadata['choices']))}){shown}"
+        kwargs: dict[str, Any] = {"dest": f.name, "help": text_help + shown, "required": must}
+        if not must:
+            kwargs["default"] = None if default is None else str(default) if text else default
+        if base in (int, float) and not text:
             kwargs["type"] = base
-        if f.metadata.get("choices"):
+        if f.metadata.get("choices") and not text:
             kwargs["choices"] = list(f.metadata["choices"])
         parser.add_argument(*names, **kwargs)
 

@@ -10,7 +10,6 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ultratron.config.loader import (
     apply_overrides,
@@ -18,51 +17,30 @@ from ultratron.config.loader import (
     build,
     choice_problems,
     did_you_mean,
-    option,
     read_toml,
-    set_field,
 )
-from ultratron.config.training_rules import parallel_problems, profile_problems, ramp_problems
+from ultratron.config.training_rules import profile_problems, ramp_problems
 from ultratron.data.mixture_spec import parse_mixture
 from ultratron.errors import ConfigError
+from ultratron.fields import option, take_fields, taken_from
 from ultratron.models.presets import PRESETS, ModelShape
-from ultratron.planning.pipeline import BALANCES, SCHEDULES
-from ultratron.planning.rules import (
-    layout_problems,
-    pipeline_problems,
-    shape_problems,
-)
+from ultratron.planning.layout import PARALLEL_FIELDS, STEP_FIELDS, Layout, check_layout
+from ultratron.planning.rules import config_name, shape_problems
 
 ROPE_SCALINGS = ("none", "linear", "llama3")
-ROUTER_SCORES = ("softmax", "sigmoid")
 # The numbers each RoPE scaling needs (Llama 3.1's config.json names them so).
 ROPE_SCALING_PARAMS = {"none": (), "linear": ("factor",),
                        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 @dataclass
+@take_fields(ModelShape, tuple(f.name for f in dataclasses.fields(ModelShape)), after="preset", optional=True)
 class ModelConfig:
-    # A preset fills every shape field left unset (None); explicit fields win over the preset.
+    """The shape fields (n_layers, dim, ... router_score) are `models.presets.ModelShape`'s, defined
+    there once. A preset fills every shape field left unset (None); explicit fields win over it."""
+
     preset: str | None = option("tiny", "a named shape (tiny, llama3-1b/3b/8b/70b/405b; mixtures of experts: moe-tiny, "
                                         "mixtral-8x7b, qwen3-30b-a3b, deepseek-v3-like); explicit fields win")
-    n_layers: int | None = option(None, "transformer blocks")
-    dim: int | None = option(None, "model width")
-    n_heads: int | None = option(None, "attention (query) heads")
-    n_kv_heads: int | None = option(None, "key/value heads (grouped-query attention)")
-    ffn_dim: int | None = option(None, "SwiGLU hidden width")
-    vocab_size: int | None = option(None, "vocabulary size (the tokenizer is trained to it)")
-    max_seq_len: int | None = option(None, "longest sequence (RoPE table size)")
-    tie_embeddings: bool | None = option(None, "share the embedding and output matrices")
-    rope_theta: float | None = option(None, "RoPE base")
-    head_dim: int | None = option(None, "attention head width; 0: dim / n_heads (Qwen3: 128 at width 2048, 32 heads)")
-    qk_norm: bool | None = option(None, "RMSNorm on queries and keys per head (OLMo 2, Gemma 3, Qwen3)")
-    n_experts: int | None = option(None, "mixture of experts: routed experts per layer; 0: dense SwiGLU layers")
-    n_active_experts: int | None = option(None, "routed experts each token goes to (top-k)")
-    n_shared_experts: int | None = option(None, "experts every token also passes through (DeepSeek-V3: 1)")
-    expert_ffn_dim: int | None = option(None, "each expert's SwiGLU width; 0: ffn_dim")
-    n_dense_layers: int | None = option(None, "the first N layers keep the dense SwiGLU of ffn_dim (DeepSeek-V3: 3)")
-    router_score: str | None = option(None, "router scores: softmax (Mixtral, Qwen3) or sigmoid (DeepSeek-V3)",
-                                      choices=ROUTER_SCORES)
     router_norm_topk: bool = option(True, "rescale the chosen experts' scores to sum to 1; false: raw scores")
     moe_aux_loss: float = option(0.01, "load-balancing loss α·E·Σ f_i·P_i (Switch Transformer: α 0.01); 0 disables")
     moe_bias_update: float = option(0.0, "DeepSeek-V3's balancing bias moves by this per step toward even load "
@@ -85,57 +63,41 @@ class ModelConfig:
 
 
 @dataclass
+@take_fields(Layout, PARALLEL_FIELDS)
 class ParallelConfig:
-    dp: int = option(1, "data-parallel degree")
-    dp_replicate: int = option(1, "HSDP: dp = dp_replicate × dp_shard; shard within groups, replicate across")
-    zero: int = option(0, "0 DDP, 1 ZeRO-1 (optimizer state), 2 ZeRO-2 (+ gradients), 3 ZeRO-3 (+ parameters)",
-                       choices=(0, 1, 2, 3))
-    tp: int = option(1, "tensor-parallel degree")
-    sp: bool = option(False, "sequence parallel (needs tp > 1)")
-    pp: int = option(1, "pipeline-parallel degree: the layers run as stages on pp ranks (docs/parallel.md)")
-    pp_schedule: str = option("1f1b", "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b, "
-                                      "interleaved-1f1b (several stages per rank), zb (interleaved zero "
-                                      "bubble), zbv (zero bubble on a V), dualpipev", choices=SCHEDULES)
-    pp_virtual_stages: int = option(0, "pipeline stages per rank; 0: the schedule's own (1 for gpipe and 1f1b, "
-                                       "else 2); interleaved-1f1b and zb take any ≥ 2, zbv and dualpipev 2")
-    pp_split: str | None = option(None, "layers per pipeline stage in stage order, comma-separated (e.g. 3,5): "
-                                        "pp × stages-per-rank entries adding up to model.n_layers; default: "
-                                        "balanced by parallel.pp_balance")
-    pp_balance: str = option("flops", "what the default stage split evens out: flops (training FLOPs per token) "
-                                      "or params; the embedding counts on the first stage, the head on the last",
-                             choices=BALANCES)
-    cp: int = option(1, "context-parallel degree: each sequence is cut into 2·cp chunks, two per rank (ring "
-                         "attention with causal balance; docs/parallel.md)")
+    """The layout's parallel fields — dp, dp_replicate, zero, tp, sp, pp and its schedule, virtual
+    stages, split and balance, cp, ep — are `planning.layout.Layout`'s, defined there once."""
+
     cp_attention: str = option("ring", "how context-parallel attention reaches the other ranks' keys and values: "
                                        "ring (K/V passed round, overlapped with compute) or allgather (Llama 3)",
                                choices=("ring", "allgather"))
-    ep: int = option(1, "expert-parallel degree: a mixture of experts' routed experts split over ep of the "
-                        "data-parallel ranks (ep divides dp), tokens exchanged by all-to-all")
     collective_timeout: float = option(300.0, "seconds a collective waits for every rank; then each rank writes its "
                                               "flight record to RUN_DIR/flight and the job stops (ultratron doctor "
-                                              "RUN_DIR names the rank it waited on). PyTorch's own default is 30 min")
+                                              "RUN_DIR names the rank it waited on). PyTorch's own default is 30 min",
+                                       minimum=1.0)
 
 
+# The layout's step fields (defined in planning/layout.py) with the trainer's defaults: a CPU demo.
 @dataclass
+@take_fields(Layout, STEP_FIELDS, after="batch_tokens", micro_batch_size=8, seq_len=256, precision="fp32")
 class TrainingConfig:
-    steps: int = option(200, "optimizer steps")
-    batch_tokens: int = option(8192, "global batch in tokens; gradient accumulation is derived from it")
-    micro_batch_size: int = option(8, "sequences per micro-batch per data-parallel rank")
+    """`micro_batch_size`, `seq_len`, `precision` and `recompute` are the layout's (`planning.layout`);
+    its gradient accumulation is derived from `batch_tokens` (`Config.grad_accum_steps`)."""
+
+    steps: int = option(200, "optimizer steps", minimum=1)
+    batch_tokens: int = option(8192, "global batch in tokens; gradient accumulation is derived from it", minimum=1)
     batch_ramp: dict[str, float] = option(
         factory=dict, help="grow the batch from start=TOKENS to batch_tokens over the first tokens=N (GPT-3: 32k "
                            "over 4-12B), in whole micro-batches; the run then lasts steps × batch_tokens tokens "
                            "and the LR schedule follows tokens")
-    seq_len: int = option(256, "tokens per sequence")
-    precision: str = option("fp32", "bf16: bf16 autocast compute, fp32 master weights", choices=("fp32", "bf16"))
     grad_clip: float = option(1.0, "global-norm clipping; 0 disables (the norm is still logged)")
     z_loss: float = option(0.0, "PaLM z-loss coefficient (1e-4 in Chowdhery et al. 2022); 0 disables")
     seed: int = option(0, "seeds the weights, the data order and sampling")
-    recompute: str = option("none", "activation recomputation", choices=("none", "selective", "full"))
     compile: bool = option(False, "torch.compile each transformer block (after recompute, before FSDP/DDP); "
                                   "docs/performance.md")
-    cpu_linear: str = option("auto", "fp32 linear layers on a CPU: onednn (oneDNN's matmul, about 2x torch's MKL sgemm "
-                                     "on AMD CPUs), aten (torch's own), auto: onednn where a probe at start agrees "
-                                     "with aten; docs/performance.md", choices=("auto", "onednn", "aten"))
+    cpu_linear: str = option("aten", "fp32 linear layers on a CPU: aten (torch's own), or opt in to onednn (oneDNN's "
+                                     "matmul, up to 2x torch's MKL sgemm on AMD CPUs; refused with the reason where "
+                                     "it cannot run); docs/performance.md", choices=("aten", "onednn"))
     profile_steps: str = option("", "profile optimizer steps N..M (e.g. 5..7): a torch.profiler trace, an operator "
                                     "table and memory views per rank in RUN_DIR/profile/; empty: off")
     device: str = option("auto", "auto picks cuda when available", choices=("auto", "cpu", "cuda"))
@@ -285,6 +247,22 @@ class Config:
         """Micro-batches each data-parallel rank runs per optimizer step."""
         return self.training.batch_tokens // (self.tokens_per_micro_batch * self.parallel.dp)
 
+    @property
+    def layout(self) -> Layout:
+        """The run's layout: the layout fields of [parallel] and [training], gradient accumulation
+        derived from training.batch_tokens (the planner's own fields at their defaults)."""
+        fields = {name: getattr(section, name) for section in (self.parallel, self.training)
+                  for name in taken_from(type(section), Layout)}
+        return Layout(**fields, grad_accum=self.grad_accum_steps)
+
+    @layout.setter
+    def layout(self, layout: Layout) -> None:
+        """Set every layout field, and training.batch_tokens to the layout's global batch."""
+        for section in (self.parallel, self.training):
+            for name in taken_from(type(section), Layout):
+                setattr(section, name, getattr(layout, name))
+        self.training.batch_tokens = layout.dp * layout.micro_batch_size * layout.grad_accum * layout.seq_len
+
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 base: Config | None = None) -> Config:
@@ -322,17 +300,6 @@ def resolve_model(model: ModelConfig) -> None:
         raise ConfigError(f"model.preset is none, so these must be set: {', '.join(missing)}")
 
 
-def _positive(cfg: Config) -> list[str]:
-    m, t, par = cfg.model, cfg.training, cfg.parallel
-    fields = {f"model.{n}": getattr(m, n) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim",
-                                                      "vocab_size", "max_seq_len")}
-    fields |= {f"training.{n}": getattr(t, n) for n in ("steps", "batch_tokens", "micro_batch_size", "seq_len")}
-    fields |= {f"parallel.{n}": getattr(par, n) for n in ("dp", "dp_replicate", "tp", "pp", "cp", "ep",
-                                                           "collective_timeout")}
-    return [f"{name} must be positive, got {value}" for name, value in fields.items()
-            if value is not None and value <= 0]
-
-
 def rope_scaling_problems(m: ModelConfig) -> list[str]:
     if m.rope_scaling not in ROPE_SCALING_PARAMS:
         return []  # a choice problem, reported already
@@ -351,25 +318,20 @@ def rope_scaling_problems(m: ModelConfig) -> list[str]:
 
 def validate(cfg: Config) -> None:
     m, t, par, o = cfg.model, cfg.training, cfg.parallel, cfg.optim
-    p = choice_problems(cfg) + _positive(cfg)
+    p = choice_problems(cfg)
     if p:
         raise ConfigError(p)
     p += shape_problems(m) + rope_scaling_problems(m)
-    p += layout_problems(m, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, seq=t.seq_len, dp=par.dp,
-                         dp_replicate=par.dp_replicate)
-    p += parallel_problems(par)
+    micro = cfg.tokens_per_micro_batch * par.dp
+    p += check_layout(m, cfg.layout, config_name, fields=False, grad_accum_from=None if t.batch_tokens % micro else
+                      "training.batch_tokens ÷ (micro_batch_size × seq_len × dp)")
     if t.seq_len > m.max_seq_len:
         p.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    micro = cfg.tokens_per_micro_batch * par.dp
     if t.batch_tokens % micro:
         lower = max(micro, t.batch_tokens // micro * micro)
         p.append(f"training.batch_tokens={t.batch_tokens} is not divisible by micro_batch_size × seq_len × dp = "
                  f"{t.micro_batch_size} × {t.seq_len} × {par.dp} = {micro}; try {lower} or {lower + micro}")
     p += ramp_problems(cfg, micro, p) + profile_problems(t.profile_steps)
-    p += pipeline_problems(m, pp=par.pp, schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
-                           split=par.pp_split, micro_batches=None if t.batch_tokens % micro else cfg.grad_accum_steps,
-                           micro_batches_from="training.batch_tokens ÷ (micro_batch_size × seq_len × dp)",
-                           dp=par.dp, zero=par.zero, recompute=t.recompute)
     if o.lr <= 0:
         p.append(f"optim.lr must be positive, got {o.lr}")
     if not 0 <= o.min_lr_ratio <= 1:
@@ -432,16 +394,3 @@ def _resilience_problems(cfg: Config) -> list[str]:
     if h.matmul_size < 0:
         p.append(f"health.matmul_size must be ≥ 0 (0: automatic), got {h.matmul_size}")
     return p
-
-
-def from_dict(data: dict[str, dict[str, Any]]) -> Config:
-    """Rebuild a config saved with `to_dict` (e.g. inside a checkpoint)."""
-    cfg = Config()
-    problems: list[str] = []
-    for section, table in data.items():
-        for key, value in table.items():
-            set_field(cfg, section, key, value, problems)
-    if problems:
-        raise ConfigError(problems)
-    resolve_model(cfg.model)
-    return cfg

@@ -1,25 +1,10 @@
-"""Rules of the parallel layout itself (`parallel_problems`; the model's share is in
-planning.rules.layout_problems) and of two training fields: `training.batch_ramp` (the ramp itself:
-`training/batch_ramp.py`) and `training.profile_steps` (`training/profiling.py`). Torch-free."""
+"""Rules of two training fields: `training.batch_ramp` (the ramp itself: `training/batch_ramp.py`)
+and `training.profile_steps` (`training/profiling.py`). The layout's rules are the planner's
+(`planning.layout.check_layout`). Torch-free."""
 
 from __future__ import annotations
 
-from ultratron.planning.rules import ALL_AXES, pipeline_problems, unsupported_axis_problems
-
-
-def parallel_problems(par) -> list[str]:
-    """Rules of the layout itself (the model's share is in planning.rules.layout_problems)."""
-    p = []
-    if par.dp % par.dp_replicate:
-        p.append(f"parallel.dp_replicate={par.dp_replicate} must divide parallel.dp={par.dp} "
-                 "(HSDP: dp = dp_replicate × dp_shard)")
-    elif par.dp_replicate > 1 and par.zero < 2:
-        p.append(f"parallel.dp_replicate={par.dp_replicate} (HSDP) shards within each replica group, so it needs "
-                 f"parallel.zero 2 or 3, got {par.zero}")
-    if par.sp and par.tp == 1:
-        p.append("parallel.sp=true needs parallel.tp > 1 (sequence parallel splits the norm regions over the "
-                 "tensor-parallel ranks)")
-    return p + unsupported_axis_problems({axis: getattr(par, axis) for axis in ALL_AXES})
+from ultratron.planning.rules import pipeline_problems
 
 
 def ramp_problems(cfg, micro: int, reported: list[str]) -> list[str]:

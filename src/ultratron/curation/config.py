@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ultratron.config.loader import build, choice_problems, option
+from ultratron.config.loader import build, choice_problems
 from ultratron.errors import ConfigError
+from ultratron.fields import option
 
 # Stage name → what it does, in pipeline order (also the help of `ultratron data`).
 STAGES: dict[str, str] = {

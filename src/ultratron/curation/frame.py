@@ -25,16 +25,17 @@ import base64
 import binascii
 import json
 import os
-import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ultratron import atomic
 from ultratron.curation.config import DataPipelineConfig
 from ultratron.curation.executors import Executor
 from ultratron.errors import DataError
@@ -45,23 +46,14 @@ SNIPPET_CHARS = 160
 
 # ---- files ----------------------------------------------------------------------------------
 
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_json(path: Path, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-TEMP_NAME = re.compile(r"\.tmp\d*(\.npy)?$")
+    atomic.write_json(path, obj, indent=2, sort_keys=True)
 
 
 def remove_temp_files(out_dir: Path) -> list[Path]:
     """Remove what an interrupted run of a stage left under temporary names (`NAME.tmpPID`, ...):
     never read, but they would sit there (and fill the disk) forever. Call before the stage runs."""
-    found = [p for p in sorted(out_dir.rglob("*.tmp*")) if p.is_file() and TEMP_NAME.search(p.name)]
+    found = [p for p in sorted(out_dir.rglob("*.tmp*")) if p.is_file() and atomic.is_temp(p.name)]
     for path in found:
         path.unlink(missing_ok=True)
     return found
@@ -185,10 +177,10 @@ class PartWriter:
         self.out_dir, self.name = out_dir, name
         for sub in ("_decisions", "_stats"):
             (out_dir / sub).mkdir(parents=True, exist_ok=True)
-        self._tmp = out_dir / f"{name}.jsonl.tmp{os.getpid()}"
-        self._dtmp = out_dir / "_decisions" / f"{name}.jsonl.tmp{os.getpid()}"
-        self._out = open(self._tmp, "w", encoding="utf-8")
-        self._dec = open(self._dtmp, "w", encoding="utf-8")
+        # both published by close(), the decisions first (the stack closes in reverse order)
+        self._files = ExitStack()
+        self._out = self._files.enter_context(atomic.atomic_open(out_dir / f"{name}.jsonl"))
+        self._dec = self._files.enter_context(atomic.atomic_open(out_dir / "_decisions" / f"{name}.jsonl"))
         self.stats = PartStats()
         self._started = time.perf_counter()
 
@@ -230,10 +222,7 @@ class PartWriter:
         self._dec.write(json.dumps(entry, ensure_ascii=False) + "\n")
 
     def close(self, extra: dict | None = None) -> dict:
-        self._out.close()
-        self._dec.close()
-        os.replace(self._dtmp, self.out_dir / "_decisions" / f"{self.name}.jsonl")
-        os.replace(self._tmp, self.out_dir / f"{self.name}.jsonl")
+        self._files.close()
         stats = self.stats.to_dict() | {"seconds": time.perf_counter() - self._started, "pid": os.getpid()}
         if extra:
             stats |= extra

@@ -8,11 +8,11 @@ document in the final output, so that every input document's fate can be looked 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ultratron.curation.frame import list_parts, stage_dirs, write_json, write_text_atomic
+from ultratron import atomic
+from ultratron.curation.frame import list_parts, stage_dirs, write_json
 
 
 def format_table(summaries: list[dict]) -> str:
@@ -34,10 +34,9 @@ def format_table(summaries: list[dict]) -> str:
 
 def merge_decisions(cfg, out_path: Path) -> int:
     """Write the merged decision log; returns its number of lines."""
-    tmp = out_path.with_name(out_path.name + f".tmp{os.getpid()}")
     lines = 0
     dirs = stage_dirs(cfg)
-    with open(tmp, "w", encoding="utf-8") as out:
+    with atomic.atomic_open(out_path) as out:
         for stage, stage_dir in dirs:
             for path in sorted((stage_dir / "_decisions").glob("*.jsonl")):
                 with open(path, encoding="utf-8") as fh:
@@ -56,7 +55,6 @@ def merge_decisions(cfg, out_path: Path) -> int:
                         out.write(json.dumps({"stage": "final", "id": doc_id, "decision": "kept",
                                              "reason": None, "cluster": None}) + "\n")
                         lines += 1
-    os.replace(tmp, out_path)
     return lines
 
 
@@ -73,7 +71,7 @@ def write_report(cfg, summaries: list[dict], log: Callable[[str], None] = print)
     report["decision_lines"] = merge_decisions(cfg, out / "decisions.jsonl")
     table = format_table(summaries)
     write_json(out / "report.json", report)
-    write_text_atomic(out / "report.md", "# Data curation report\n\n" + table + "\n")
+    atomic.write_text(out / "report.md", "# Data curation report\n\n" + table + "\n")
     log(table)
     for warning in report.get("tokenizer_audit_warnings", []):
         log(f"data: tokenizer audit warning: {warning}")

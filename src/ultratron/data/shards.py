@@ -9,13 +9,13 @@ each document's first token). Every file is written under a temporary name and r
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ultratron import atomic
 from ultratron.errors import DataError
 
 META = "meta.json"
@@ -26,17 +26,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def write_json_atomic(path: Path, obj) -> None:
-    _atomic_write_bytes(Path(path), (json.dumps(obj, indent=2) + "\n").encode("utf-8"))
+    atomic.write_json(path, obj, indent=2, durable=True)
 
 
 class ShardWriter:
@@ -69,10 +60,9 @@ class ShardWriter:
         if not self._tokens:
             return
         name = f"{self.prefix}_{len(self.shards):05d}"
-        _atomic_write_bytes(self.out_dir / f"{name}.bin", np.concatenate(self._tokens).tobytes())
-        tmp_idx = self.out_dir / f"{name}.idx.tmp.npy"
-        np.save(tmp_idx, np.asarray(self._starts, dtype=np.int64))
-        os.replace(tmp_idx, self.out_dir / f"{name}.idx.npy")
+        atomic.write_bytes(self.out_dir / f"{name}.bin", np.concatenate(self._tokens).tobytes(), durable=True)
+        with atomic.atomic_path(self.out_dir / f"{name}.idx.npy", keep_suffix=True) as tmp:  # np.save wants .npy
+            np.save(tmp, np.asarray(self._starts, dtype=np.int64))
         self.shards.append({"name": name, "n_tokens": self._count, "n_documents": len(self._starts)})
         self._tokens, self._starts, self._count = [], [], 0
 

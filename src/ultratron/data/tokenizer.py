@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from ultratron import atomic
 from ultratron.data.fast_bpe import FastBPE, fast_encoder
 from ultratron.errors import DataError
 
@@ -99,9 +99,7 @@ class Tokenizer:
         path.parent.mkdir(parents=True, exist_ok=True)
         for name, text in sorted(self.files().items(), key=lambda f: f[0] == "tokenizer.json"):  # it last
             target = path if name == "tokenizer.json" else path.with_name(name)
-            tmp = target.with_name(target.name + ".tmp")
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, target)
+            atomic.write_text(target, text)
 
     @classmethod
     def load(cls, path: str | Path, eos_token: str | None = None) -> Tokenizer:

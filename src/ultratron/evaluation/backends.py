@@ -20,6 +20,7 @@ import torch
 from ultratron.checkpoint.inference import load_for_inference
 from ultratron.errors import EndpointError
 from ultratron.inference.engine import SamplingParams, Sequence, run_batch
+from ultratron.models.registry import model_args
 
 
 def token_windows(ids: list[int], size: int) -> list[list[int]]:
@@ -48,7 +49,7 @@ class LocalBackend:
 
     def __init__(self, model, tokenizer, batch_tokens: int = 8192):
         self.model, self.tokenizer, self.batch_tokens = model, tokenizer, batch_tokens
-        self.context = model.args.max_seq_len
+        self.context = model_args(model).max_seq_len
         self.device = next(model.parameters()).device
 
     @classmethod

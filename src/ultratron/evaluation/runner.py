@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from pathlib import Path
 
+from ultratron import atomic
 from ultratron.evaluation.backends import bits_per_byte
 from ultratron.evaluation.tasks import Task
 
@@ -96,6 +95,4 @@ def flat_metrics(results: dict, prefix: str = "eval") -> dict[str, float]:
 def write_json(path: str | Path, record: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic.write_json(path, record, indent=1)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ultratron.inference.kv_cache import SlotCache
+from ultratron.models.registry import model_args
 
 
 @dataclass
@@ -136,7 +137,7 @@ class Engine:
     def __init__(self, model, eos_id: int, decode: Callable[[list[int]], str], slots: int, capacity: int):
         self.model, self.eos_id, self.decode = model, eos_id, decode
         self.device = next(model.parameters()).device
-        self.cache = SlotCache(model, slots, min(capacity, model.args.max_seq_len))
+        self.cache = SlotCache(model, slots, min(capacity, model_args(model).max_seq_len))
         self.rows: list[_Row] = []  # row i occupies slot i
         self.pending: list[torch.Tensor] = []  # row i's log-probabilities for its next token
 

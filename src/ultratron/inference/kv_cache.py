@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ultratron.models.registry import model_args, plan_of
+
 
 class _LayerCache:
     def __init__(self, rows: Rows, name: str):
@@ -71,21 +73,22 @@ class Rows:
 
 class SlotCache:
     def __init__(self, model, slots: int, capacity: int):
-        args = model.args
+        args = model_args(model)
         if capacity > args.max_seq_len:
             raise ValueError(f"cache capacity {capacity} exceeds max_seq_len={args.max_seq_len}")
         param = next(model.parameters())
         shape = (slots, args.n_kv_heads, capacity, args.head_dim)
-        self.keys = {name: torch.zeros(shape, dtype=param.dtype, device=param.device) for name in model.layers}
-        self.values = {name: torch.zeros(shape, dtype=param.dtype, device=param.device) for name in model.layers}
+        blocks = plan_of(model).blocks(model)  # the model's attention layers, by the names its forward asks
+        self.keys = {name: torch.zeros(shape, dtype=param.dtype, device=param.device) for name in blocks}
+        self.values = {name: torch.zeros(shape, dtype=param.dtype, device=param.device) for name in blocks}
         self.lengths = torch.zeros(slots, dtype=torch.long, device=param.device)
         self.slots, self.capacity = slots, capacity
 
     @staticmethod
     def bytes_needed(model, slots: int, capacity: int) -> int:
-        args = model.args
+        args = model_args(model)
         itemsize = next(model.parameters()).element_size()
-        return 2 * len(model.layers) * slots * args.n_kv_heads * capacity * args.head_dim * itemsize
+        return 2 * len(plan_of(model).blocks(model)) * slots * args.n_kv_heads * capacity * args.head_dim * itemsize
 
     def rows(self, lo: int, hi: int) -> Rows:
         return Rows(self, lo, hi)

@@ -4,28 +4,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ultratron.fields import option
+from ultratron.models.specs import DEFAULT as DEFAULT_FAMILY
+from ultratron.models.specs import SPECS as FAMILIES
+
+ROUTER_SCORES = ("softmax", "sigmoid")
+
 
 @dataclass(frozen=True)
 class ModelShape:
-    n_layers: int
-    dim: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    vocab_size: int
-    tie_embeddings: bool
-    rope_theta: float
-    max_seq_len: int
-    # attention head width; 0: dim / n_heads (Qwen3 decouples it: 128 at width 2048 with 32 heads)
-    head_dim: int = 0
-    qk_norm: bool = False  # RMSNorm on queries and keys per head (OLMo 2, Gemma 3, Qwen3)
+    """A transformer's shape, defined once: the presets below, the trainer's `[model]` fields
+    (`config.training.ModelConfig` takes these definitions) and `ultratron plan`'s model flags."""
+
+    n_layers: int = option(help="transformer blocks", minimum=1)
+    dim: int = option(help="model width", minimum=1)
+    n_heads: int = option(help="attention (query) heads", minimum=1)
+    n_kv_heads: int = option(help="key/value heads (grouped-query attention)", minimum=1)
+    ffn_dim: int = option(help="SwiGLU hidden width", minimum=1)
+    vocab_size: int = option(help="vocabulary size (the tokenizer is trained to it)", minimum=1)
+    tie_embeddings: bool = option(help="share the embedding and output matrices")
+    rope_theta: float = option(help="RoPE base")
+    max_seq_len: int = option(help="longest sequence (RoPE table size)", minimum=1)
+    head_dim: int = option(0, "attention head width; 0: dim / n_heads (Qwen3: 128 at width 2048, 32 heads)")
+    qk_norm: bool = option(False, "RMSNorm on queries and keys per head (OLMo 2, Gemma 3, Qwen3)")
     # Mixture of experts (models/moe.py); 0 experts: every layer has the dense SwiGLU of ffn_dim.
-    n_experts: int = 0
-    n_active_experts: int = 0  # routed experts per token (top-k)
-    n_shared_experts: int = 0  # experts every token passes through besides the routed ones
-    expert_ffn_dim: int = 0  # each expert's SwiGLU width; 0: ffn_dim
-    n_dense_layers: int = 0  # the first layers keep the dense SwiGLU (DeepSeek-V3: 3)
-    router_score: str = "softmax"  # softmax (Mixtral, Qwen3) or sigmoid (DeepSeek-V3)
+    n_experts: int = option(0, "mixture of experts: routed experts per layer; 0: dense SwiGLU layers")
+    n_active_experts: int = option(0, "routed experts each token goes to (top-k)")
+    n_shared_experts: int = option(0, "experts every token also passes through (DeepSeek-V3: 1)")
+    expert_ffn_dim: int = option(0, "each expert's SwiGLU width; 0: ffn_dim")
+    n_dense_layers: int = option(0, "the first N layers keep the dense SwiGLU of ffn_dim (DeepSeek-V3: 3)")
+    router_score: str = option("softmax", "router scores: softmax (Mixtral, Qwen3) or sigmoid (DeepSeek-V3)",
+                               choices=ROUTER_SCORES)
+    family: str = option(DEFAULT_FAMILY, "model family: the folder models/FAMILY/ that builds it (llama: Llama, "
+                                         "Mistral, Qwen2/3, Mixtral, Qwen3-MoE and DeepSeek-V3-like shapes)",
+                         choices=tuple(FAMILIES))
 
     @property
     def is_moe(self) -> bool:

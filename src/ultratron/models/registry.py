@@ -1,21 +1,113 @@
-"""Model families by name and class: how to build one, and its parallel plan."""
+"""The one place the rest of ultratron asks about a model: build one from a model config, the args of a
+built one (through any wrapper), its parallel plan, the Hugging Face adapter of an architecture, the
+planning spec. No code outside `models/` names a family's modules.
+
+A family is one folder, `models/FAMILY/`: `model.py` (plain PyTorch), `parallel_plan.py` (how the
+parallel axes cut it), `hf_adapter.py` (config and tensor names to and from Hugging Face's format),
+`spec.py` (torch-free planning formulas, listed in `models/specs.py` for the planner); one
+`Family` entry below ties them together.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from torch import nn
 
-from ultratron.models.llama.model import Llama
-from ultratron.models.llama.parallel_plan import PLAN as LLAMA_PLAN
-from ultratron.models.llama.parallel_plan import LlamaStage
+from ultratron.models import specs
+from ultratron.models.family import HFAdapter, PlanningSpec
+from ultratron.models.llama import hf_adapter as llama_hf
+from ultratron.models.llama import model as llama
+from ultratron.models.llama import parallel_plan as llama_plan
 from ultratron.models.plan import ParallelPlan
 
-PLANS: dict[type, ParallelPlan] = {Llama: LLAMA_PLAN, LlamaStage: LLAMA_PLAN}
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    classes: tuple[type, ...]  # its modules that hold args: the whole model and what a pipeline stage runs
+    build: Callable  # (resolved ModelConfig, device) → the model
+    args: Callable[[nn.Module], object]  # a (plain) model → its args (shape and options)
+    plan: ParallelPlan
+    hf: HFAdapter
+    spec: PlanningSpec
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", (llama.Llama, llama_plan.LlamaStage), llama.build_model, lambda model: model.args,
+                    llama_plan.PLAN, llama_hf.ADAPTER, specs.SPECS["llama"]),
+}
+
+
+def family(name: str | None) -> Family:
+    """A family by name (a ModelConfig's `family`; None: llama, the default)."""
+    key = specs.family_name(name)
+    if key not in FAMILIES:
+        raise ValueError(f"unknown model family {key!r}; known: {', '.join(FAMILIES)}")
+    return FAMILIES[key]
+
+
+def unwrap(model):
+    """The plain model inside DDP (`module`) and torch.compile (`_orig_mod`) wrappers. (FSDP2 and the
+    tensor-parallel plans keep the model's own class.)"""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def family_of(model) -> Family | None:
+    inner = unwrap(model)
+    return next((fam for fam in FAMILIES.values() if isinstance(inner, fam.classes)), None)
+
+
+def build_model(model_cfg, device="cpu") -> nn.Module:
+    """The model a (resolved) ModelConfig describes, by its family. `device="meta"`: shapes, no memory."""
+    return family(getattr(model_cfg, "family", None)).build(model_cfg, device)
+
+
+def model_args(model):
+    """The args (shape and options: max_seq_len, vocab_size, n_kv_heads, head_dim, ...) of a built model,
+    through DDP and torch.compile. A stand-in that is no module (the pipeline's sampling model) carries
+    its model's as `args`."""
+    fam = family_of(model)
+    if fam is not None:
+        return fam.args(unwrap(model))
+    if hasattr(model, "args") and not isinstance(model, nn.Module):
+        return model.args
+    raise TypeError(f"{type(unwrap(model)).__name__} is no model of a family in models/registry.py")
 
 
 def plan_of(model: nn.Module) -> ParallelPlan:
-    """The parallel plan of a (not yet wrapped) model, by its family."""
-    for cls, plan in PLANS.items():
-        if isinstance(model, cls):
-            return plan
-    raise TypeError(f"no parallel plan for {type(model).__name__}: add one beside the model "
-                    "(models/FAMILY/parallel_plan.py) and list it in models/registry.py")
+    """The parallel plan of a model, by its family."""
+    fam = family_of(model)
+    if fam is None:
+        raise TypeError(f"no parallel plan for {type(model).__name__}: add one beside the model "
+                        "(models/FAMILY/parallel_plan.py) and list it in models/registry.py")
+    return fam.plan
+
+
+def hf_adapter_of(model) -> HFAdapter:
+    """How a built model maps onto Hugging Face's format (for export)."""
+    fam = family_of(model)
+    if fam is None:
+        raise TypeError(f"{type(unwrap(model)).__name__} is no model of a family in models/registry.py")
+    return fam.hf
+
+
+def hf_family(model_type: str | None) -> Family | None:
+    """The family whose adapter holds (or knowingly refuses) a Hugging Face config.json's `model_type`;
+    None when no family knows it."""
+    return next((fam for fam in FAMILIES.values()
+                 if model_type in fam.hf.architectures or model_type in fam.hf.refused), None)
+
+
+def hf_architectures() -> dict[str, str]:
+    """Every Hugging Face model_type some family can import → its transformers class."""
+    return {kind: cls for fam in FAMILIES.values() for kind, cls in fam.hf.architectures.items()}

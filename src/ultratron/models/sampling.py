@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ultratron.models.registry import model_args
+
 
 @torch.no_grad()
 def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.8,
@@ -15,7 +17,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: 
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    context = model.args.max_seq_len // length_multiple * length_multiple
+    context = model_args(model).max_seq_len // length_multiple * length_multiple
     out: list[int] = []
     for _ in range(max_new_tokens):
         window = ids[:, -context:]

@@ -99,7 +99,6 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, ignored: set | None = None) 
     # The rope tables are the only buffers and never change: no need to broadcast them each step.
     ddp = DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False,
                                   process_group=dims.dp_mesh.get_group(), gradient_as_bucket_view=True)
-    ddp.args = model.args  # sampling and reporting read model.args
     return ddp
 
 

@@ -59,14 +59,15 @@ class ParallelDims:
     signals: faults.SignalWatch | None = field(default=None, repr=False, compare=False)  # dumps on SIGTERM
 
     @classmethod
-    def from_config(cls, parallel_cfg) -> ParallelDims:
-        """Read the launch environment (torchrun's RANK / WORLD_SIZE / LOCAL_RANK, its restart count
-        and store) and check it. The one place the launch environment is read."""
+    def from_config(cls, layout, timeout: float = 300.0) -> ParallelDims:
+        """The degrees of a `planning.layout.Layout` (the run's: `Config.layout`; its config section
+        `cfg.parallel` has the same fields), and the launch environment (torchrun's RANK /
+        WORLD_SIZE / LOCAL_RANK, its restart count and store), checked. The one place the launch
+        environment is read. `timeout`: seconds a collective waits (`parallel.collective_timeout`)."""
         env = os.environ
         agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in env
-        dims = cls(dp=parallel_cfg.dp, tp=parallel_cfg.tp, pp=parallel_cfg.pp, cp=parallel_cfg.cp,
-                   ep=parallel_cfg.ep, dp_replicate=parallel_cfg.dp_replicate, zero=parallel_cfg.zero,
-                   sp=parallel_cfg.sp, timeout=parallel_cfg.collective_timeout,
+        dims = cls(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
+                   dp_replicate=layout.dp_replicate, zero=layout.zero, sp=layout.sp, timeout=timeout,
                    world_size=int(env.get("WORLD_SIZE", "1")),
                    rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
                    restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),

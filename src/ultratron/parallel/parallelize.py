@@ -5,7 +5,7 @@ module (`data`, `tensor`, `pipeline`, `context`, `expert`), cuts the model where
 (`parallel/axis.py`); this file only orders them and passes between them what one needs of
 another (the pipeline's stage modules and the split experts, which data parallelism treats apart),
 so that no axis imports another. Before TP, on a CPU, the fp32 linear layers may take oneDNN's
-matmul (`training.cpu_linear`, `parallel/cpu_linear.py`).
+matmul (`training.cpu_linear onednn`, `kernels/cpu_linear.py`).
 
 Under pipeline parallelism the pipeline cut comes first: this rank keeps its stages' part of the
 model, the other axes apply to that part, and FSDP takes each stage as a root. Expert parallelism
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ultratron.kernels.cpu_linear import apply_cpu_linear
 from ultratron.models.registry import plan_of
 from ultratron.parallel.axis import Axes
 from ultratron.parallel.compile import apply_compile, compiled_loss
 from ultratron.parallel.context import apply_context_parallel
-from ultratron.parallel.cpu_linear import apply_cpu_linear
 from ultratron.parallel.data import apply_data_parallel
 from ultratron.parallel.dims import ParallelDims
 from ultratron.parallel.expert import apply_expert_parallel
@@ -32,10 +32,10 @@ from ultratron.parallel.replicas import apply_replicas
 from ultratron.parallel.tensor import apply_tensor_parallel
 
 
-def topology(parallel_cfg) -> ParallelDims:
+def topology(layout, collective_timeout: float = 300.0) -> ParallelDims:
     """The launch (torchrun's environment) checked against the layout; `init_distributed` then joins
-    the process group and builds the mesh."""
-    return ParallelDims.from_config(parallel_cfg)
+    the process group and builds the mesh, whose collectives wait `collective_timeout` seconds."""
+    return ParallelDims.from_config(layout, collective_timeout)
 
 
 @dataclass

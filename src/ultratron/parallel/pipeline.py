@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ultratron.models.plan import ParallelPlan
+from ultratron.models.registry import model_args
 from ultratron.parallel.axis import AroundForward, Axis, Loss, MicroBatch, plain
 from ultratron.parallel.dims import ParallelDims
 from ultratron.planning.pipeline import SINGLE, rank_stages, stage_layers, stage_ranks, stage_split
@@ -326,7 +327,7 @@ class PipelineLogits:
     """The pipeline as a callable model for sampling: full logits on every rank."""
 
     def __init__(self, runner: PipelineRunner):
-        self.runner, self.args = runner, runner.axis.part.args
+        self.runner, self.args = runner, model_args(runner.axis.part)
 
     def parameters(self):
         return self.runner.axis.part.parameters()

@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ultratron.kernels.cpu_linear import onednn_linear
 from ultratron.models.plan import ParallelPlan
-from ultratron.parallel.cpu_linear import onednn_linear
 
 _SAVED_OPS = {
     torch.ops.aten.mm.default,
@@ -25,7 +25,7 @@ _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
-    onednn_linear._opoverload,  # the CPU fp32 matmul of parallel/cpu_linear.py
+    onednn_linear._opoverload,  # the CPU fp32 matmul of kernels/cpu_linear.py
 }
 
 

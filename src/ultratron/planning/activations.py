@@ -7,7 +7,7 @@ Two estimators:
   the trainer runs it (`training/precision.py`: autocast over fp32 weights, except under FSDP2,
   whose mixed-precision policy gathers bf16 weights). Measured on CPU with torch's profiler
   (tests/planning/test_plan_measured.py, tests/distributed/test_dist_activation_memory.py). Below,
-  T = tokens of the micro-batch on this rank (mbs·seq/cp), b·s its sequences and length, t = tp,
+  T = tokens of the micro-batch on this rank (micro_batch_size·seq_len/cp), b·s its sequences and length, t = tp,
   g = t with sequence parallel (the norm regions are split) else 1, h, f, kv = width, FFN width,
   kv heads × head dim, a = heads, d = head dim; r, p, q = bytes of the residual stream, of matmul
   outputs and of attention's q, k, v (`Dtypes`).
@@ -52,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ultratron.planning.experts import moe_layer_share, moe_mlp_activation_bytes
-from ultratron.planning.rules import data_parallel_wrapper, expert_ffn_dim_of, field_of, head_dim_of
+from ultratron.planning.rules import expert_ffn_dim_of, field_of, head_dim_of
 
 RECOMPUTE = ("none", "selective", "full")
 ACTIVATION_MODELS = ("per-op", "textbook")
@@ -76,14 +76,13 @@ def dtypes_of(layout) -> Dtypes:
     if layout.precision == "fp32":
         return Dtypes(4, 4, 4, False)
     attention = 4 if layout.attention_fp32 else 2
-    if layout.fp32_grad_accum or data_parallel_wrapper(layout.shard_group, layout.zero, layout.tp,
-                                                       layout.pp, ep=layout.ep) == "fsdp":
+    if layout.fp32_grad_accum or layout.wrapper == "fsdp":
         return Dtypes(2, 2, attention, False)
     return Dtypes(4, 2, attention, True)
 
 
 def _tokens(layout) -> float:
-    return layout.mbs * layout.seq / layout.cp
+    return layout.micro_batch_size * layout.seq_len / layout.cp
 
 
 def _region(layout) -> int:
@@ -111,7 +110,7 @@ def per_op_layer_items(shape, layout, recompute: str | None = None) -> dict[str,
     recompute = recompute or layout.recompute
     dt = dtypes_of(layout)
     p, q, t, g = dt.compute, dt.attention, layout.tp, _region(layout)
-    tokens, b, s = _tokens(layout), layout.mbs, layout.seq / layout.cp
+    tokens, b, s = _tokens(layout), layout.micro_batch_size, layout.seq_len / layout.cp
     h, f, a, d = shape.dim, shape.ffn_dim, shape.n_heads, _head_dim(shape)
     kv = shape.n_kv_heads * d
     block_input = dt.residual * tokens * h / g
@@ -167,7 +166,7 @@ def _with_experts(items: dict[str, float], mlp: str, shape, layout, recompute: s
 def textbook_layer_activation_bytes(shape, layout, recompute: str | None = None) -> float:
     """Korthikanti et al. per-layer bytes (bf16 basis, scaled ×2 for fp32)."""
     recompute = recompute or layout.recompute
-    s, b, h, a, t = layout.seq / layout.cp, layout.mbs, shape.dim, shape.n_heads, layout.tp
+    s, b, h, a, t = layout.seq_len / layout.cp, layout.micro_batch_size, shape.dim, shape.n_heads, layout.tp
     sbh = s * b * h
     scale = (2 if layout.precision == "bf16" else 4) / 2
     if recompute == "full":

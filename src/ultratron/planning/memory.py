@@ -1,6 +1,7 @@
 """Bytes per GPU of a training step for a model shape and a parallel layout, as the trainer runs it.
 
-Static terms, per parameter on the rank (Ψ after TP and PP; N = dp·cp ranks that ZeRO shards over),
+Static terms, per parameter on the rank (Ψ after TP and PP; N = the dp·cp ranks that ZeRO shards over,
+under HSDP those of a replica group, dp_shard·cp),
 following what `parallel/data.py` does for the layout (`rules.data_parallel_wrapper`):
   one process, DDP, FSDP2's replicate — fp32 weights (bf16 only as autocast's copies, counted with
   the activations), fp32 gradients, Adam moments: 4 + 4 + 8 = 16 bytes; ZeRO-1 (DDP with
@@ -63,81 +64,14 @@ from ultratron.planning.activations import (
     per_op_layer_items,
 )
 from ultratron.planning.experts import all_to_all_buffer_bytes, routed_expert_params_per_layer
+from ultratron.planning.layout import Layout, check_layout
 from ultratron.planning.params import count_params_of
-from ultratron.planning.pipeline import (
-    BALANCES,
-    SCHEDULES,
-    peak_in_flight,
-    rank_stages,
-    stage_ranks,
-    stage_split,
-    stages_per_rank,
-)
-from ultratron.planning.rules import data_parallel_wrapper, head_dim_of, layout_problems, pipeline_problems, short_name
+from ultratron.planning.pipeline import peak_in_flight, rank_stages, stage_ranks, stage_split
+from ultratron.planning.rules import head_dim_of
 
 GiB = 1024**3
-PRECISIONS = ("bf16", "fp32")
-__all__ = ["ACTIVATION_MODELS", "RECOMPUTE", "PRECISIONS", "GiB", "Layout", "MemoryBreakdown", "check_layout",
-           "estimate_memory", "estimate_memory_per_rank", "layer_activation_bytes"]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How one training step is spread over GPUs. `grad_acc` micro-batches of `mbs` sequences per dp rank."""
-
-    dp: int = 1
-    zero: int = 0
-    tp: int = 1
-    sp: bool = False
-    pp: int = 1
-    pp_schedule: str = "1f1b"
-    virtual_stages: int = 0  # stages per pipeline rank; 0: the schedule's own (planning.pipeline)
-    pp_split: str | None = None  # layers per stage, as parallel.pp_split; None: balanced by pp_balance
-    pp_balance: str = "flops"
-    cp: int = 1
-    ep: int = 1
-    mbs: int = 1
-    grad_acc: int = 1
-    seq: int = 4096
-    recompute: str = "none"
-    precision: str = "bf16"
-    fp32_grad_accum: bool = False
-    # Attention (q, k, v, output) computed in fp32 even in bf16, like Megatron's
-    # --attention-softmax-in-fp32; ultratron does this for bf16 on CPU (models.llama.model.sdpa_attention).
-    attention_fp32: bool = False
-
-    @property
-    def n_gpus(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def compute_bytes(self) -> int:
-        return 2 if self.precision == "bf16" else 4
-
-    @property
-    def stages_per_rank(self) -> int:
-        return stages_per_rank(self.pp_schedule, self.virtual_stages) if self.pp > 1 else 1
-
-    @property
-    def shard_group(self) -> int:
-        """Ranks that ZeRO shards optimizer state, gradients and parameters over."""
-        return self.dp * self.cp
-
-    def describe(self) -> str:
-        parts = [f"dp={self.dp}"]
-        if self.zero:
-            parts.append(f"zero={self.zero}")
-        parts.append(f"tp={self.tp}{'+sp' if self.sp and self.tp > 1 else ''}")
-        parts.append(f"pp={self.pp}")
-        if self.pp > 1:
-            v = self.stages_per_rank
-            split = f"[{self.pp_split}]" if self.pp_split else ""
-            parts.append(self.pp_schedule + (f"(v={v})" if v > 1 else "") + split)
-        parts.append(f"cp={self.cp}")
-        if self.ep > 1:
-            parts.append(f"ep={self.ep}")
-        parts += [f"mbs={self.mbs}", f"ga={self.grad_acc}", f"recompute={self.recompute}"]
-        return " ".join(parts)
+__all__ = ["ACTIVATION_MODELS", "RECOMPUTE", "GiB", "MemoryBreakdown", "estimate_memory", "estimate_memory_per_rank",
+           "layer_activation_bytes"]
 
 
 @dataclass
@@ -175,42 +109,6 @@ class MemoryBreakdown:
         return out
 
 
-def _flag_name(field: str) -> str:
-    """A config field's name as the planner's layout says it (parallel.pp_virtual_stages → virtual_stages)."""
-    short = short_name(field)
-    return {"pp_virtual_stages": "virtual_stages"}.get(short, short)
-
-
-def check_layout(shape, layout: Layout) -> list[str]:
-    """Problems that make a layout impossible for a shape, one line each (empty when fine)."""
-    p: list[str] = []
-    for name in ("dp", "tp", "pp", "cp", "ep", "mbs", "grad_acc", "seq"):
-        if getattr(layout, name) < 1:
-            p.append(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(layout, name)}")
-    if layout.virtual_stages < 0:
-        p.append(f"--virtual-stages must be ≥ 0 (0: the schedule's own), got {layout.virtual_stages}")
-    if p:
-        return p
-    if layout.zero not in (0, 1, 2, 3):
-        p.append(f"--zero must be 0, 1, 2 or 3, got {layout.zero}")
-    if layout.pp_schedule not in SCHEDULES:
-        p.append(f"--pp-schedule {layout.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if layout.pp_balance not in BALANCES:
-        p.append(f"--pp-balance {layout.pp_balance!r} is not one of {', '.join(BALANCES)}")
-    if layout.recompute not in RECOMPUTE:
-        p.append(f"--recompute {layout.recompute!r} is not one of {', '.join(RECOMPUTE)}")
-    if layout.precision not in PRECISIONS:
-        p.append(f"--precision {layout.precision!r} is not one of {', '.join(PRECISIONS)}")
-    p += layout_problems(shape, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, seq=layout.seq, dp=layout.dp,
-                         name=short_name)
-    if not p:
-        p += pipeline_problems(shape, pp=layout.pp, schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages,
-                               split=layout.pp_split, micro_batches=layout.grad_acc, micro_batches_from="--grad-acc",
-                               dp=layout.shard_group, zero=layout.zero, recompute=layout.recompute,
-                               name=_flag_name)
-    return p
-
-
 def _head_dim(shape) -> int:
     return head_dim_of(shape)
 
@@ -236,12 +134,12 @@ def pipeline_ranks(shape, layout: Layout) -> list[PipelineRank]:
     """Every pipeline rank's stages and layers, from the trainer's own split and placement."""
     if layout.pp == 1:
         return [PipelineRank(0, [0], [shape.n_layers], True, True)]
-    split = stage_split(shape, layout.pp, layout.pp_schedule, layout.virtual_stages, layout.pp_balance,
-                        layout.seq, layout.pp_split)
-    ranks = stage_ranks(layout.pp_schedule, layout.pp, layout.virtual_stages)
+    split = stage_split(shape, layout.pp, layout.pp_schedule, layout.pp_virtual_stages, layout.pp_balance,
+                        layout.seq_len, layout.pp_split)
+    ranks = stage_ranks(layout.pp_schedule, layout.pp, layout.pp_virtual_stages)
     out = []
     for rank in range(layout.pp):
-        stages = rank_stages(layout.pp_schedule, layout.pp, layout.virtual_stages, rank)
+        stages = rank_stages(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, rank)
         out.append(PipelineRank(rank, stages, [split[s] for s in stages], ranks[0] == rank, ranks[-1] == rank))
     return out
 
@@ -286,14 +184,10 @@ class _Static:
     fused_adam: bool  # the fused AdamW (no temporaries); else torch's foreach AdamW
 
 
-def wrapper_of(layout: Layout) -> str:
-    return data_parallel_wrapper(layout.shard_group, layout.zero, layout.tp, layout.pp, ep=layout.ep)
-
-
 def _static(layout: Layout) -> _Static:
     """The static terms of the layout as the trainer runs it (see the module docstring)."""
     n = layout.shard_group
-    wrapper = wrapper_of(layout)
+    wrapper = layout.wrapper
     if layout.fp32_grad_accum and layout.precision == "bf16":  # the Megatron-LM convention
         by = lambda level: n if layout.zero >= level else 1
         return _Static(2 / by(3), 0.0, 4 / by(2), 4 / by(1), 8 / by(1), False, layout.zero == 3 and n > 1, True)
@@ -327,11 +221,11 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
     # split experts (ep or tp > 1) are left out of ZeRO's sharding and DDP's buckets, as the trainer does:
     # they keep what one process keeps
     experts = _split_expert_params(shape, layout, where)
-    se = _static(replace(layout, dp=1, cp=1)) if experts else st
+    se = _static(replace(layout, dp=1, dp_replicate=1, cp=1)) if experts else st
     sharded = params - experts
     term = lambda name: sharded * getattr(st, name) + experts * getattr(se, name)
     p = layout.compute_bytes
-    tokens = layout.mbs * layout.seq / layout.cp
+    tokens = layout.micro_batch_size * layout.seq_len / layout.cp
     t = layout.tp
     h = shape.dim
     kv = shape.n_kv_heads * _head_dim(shape)
@@ -343,7 +237,7 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
         per_stage.append(alive)
         loss_share.append(loss)
         freed.append(gone)
-    in_flight = peak_in_flight(layout.pp_schedule, layout.pp, layout.virtual_stages, layout.grad_acc, where.rank,
+    in_flight = peak_in_flight(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, layout.grad_accum, where.rank,
                                per_stage)
     loss_logits = sum(k * loss for k, loss in zip(in_flight, loss_share, strict=True))
     activations = sum(k * b for k, b in zip(in_flight, per_stage, strict=True)) - loss_logits
@@ -361,10 +255,10 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
         # the root (embedding, final norm, head) stays gathered through the step (parallel/data.py)
         comm += p * (sharded - sum(where.layers) * layer_params)
     if layout.pp > 1:  # torch's stages keep a receive buffer per micro-batch and neighbour on another rank
-        ranks = stage_ranks(layout.pp_schedule, layout.pp, layout.virtual_stages)
+        ranks = stage_ranks(layout.pp_schedule, layout.pp, layout.pp_virtual_stages)
         remote = sum((s > 0 and ranks[s - 1] != where.rank) + (s < n_stages - 1 and ranks[s + 1] != where.rank)
                      for s in where.stages)
-        comm += remote * layout.grad_acc * dtypes_of(layout).residual * tokens * h / (t if layout.sp else 1)
+        comm += remote * layout.grad_accum * dtypes_of(layout).residual * tokens * h / (t if layout.sp else 1)
     if layout.cp > 1:
         comm += 2 * p * tokens * 2 * kv / t
     all_to_all = all_to_all_buffer_bytes(shape, tokens, p, layout.ep)
@@ -395,7 +289,7 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
                "per_layer_activation_bytes": layer_activation_bytes(shape, layout, model),
                "per_layer_activation_items": per_op_layer_items(shape, layout) if per_op else {},
                "in_flight_micro_batches": in_flight, "activation_model": model,
-               "data_parallel": wrapper_of(layout), "matmul_params_per_layer": layer_matmul_params(shape, t),
+               "data_parallel": layout.wrapper, "matmul_params_per_layer": layer_matmul_params(shape, t),
                "expert_params_on_gpu": experts, "all_to_all_bytes": all_to_all},
     )
 

@@ -4,7 +4,7 @@ The trainer's config validation, `ParallelDims`, `plan memory` and `plan search`
 functions, so a layout the planner proposes is one the trainer accepts. Torch-free.
 
 Each problem names fields through `name`: the trainer passes config names (`parallel.tp`,
-`model.n_heads`), the planner its flag names (`tp`, `n_heads`).
+`model.n_heads`), the planner the bare field names (`tp`, `n_heads`), which its flags are named after.
 """
 
 from __future__ import annotations
@@ -14,13 +14,6 @@ from collections.abc import Callable
 from ultratron.planning.pipeline import LOOPED, SINGLE, SPLIT_BACKWARD, V_SHAPED, parse_split, stages_per_rank
 
 Namer = Callable[[str], str]
-
-# The parallel axes the trainer runs today (`ultratron.parallel`), in mesh order. Config validation
-# refuses a degree above 1 on any other axis, and `plan search` proposes layouts on these axes
-# only; an axis joins this tuple when its code lands, and both follow.
-TRAINER_AXES = ("dp", "tp", "pp", "cp", "ep")
-ALL_AXES = ("dp", "tp", "pp", "cp", "ep")
-AXIS_NAMES = {"dp": "data", "tp": "tensor", "pp": "pipeline", "cp": "context", "ep": "expert"}
 
 
 def config_name(field: str) -> str:
@@ -49,13 +42,20 @@ def expert_ffn_dim_of(shape) -> int:
     return field_of(shape, "expert_ffn_dim") or shape.ffn_dim
 
 
-def unsupported_axis_problems(degrees: dict[str, int], name: Namer = config_name) -> list[str]:
-    """A degree above 1 on an axis the trainer does not run (`TRAINER_AXES`), one line each."""
-    words = [AXIS_NAMES[axis] for axis in TRAINER_AXES]
-    runs = ", ".join(words[:-1]) + " and " + words[-1] if len(words) > 1 else words[0]
-    return [f"{name('parallel.' + axis)}={degree}: this build trains with {runs} parallelism only; "
-            f"set {name('parallel.' + axis)}=1" for axis, degree in degrees.items()
-            if axis not in TRAINER_AXES and degree > 1]
+def degree_problems(layout, name: Namer = config_name) -> list[str]:
+    """What the layout's own fields need of each other: HSDP's replica groups divide dp and shard
+    (ZeRO 2 or 3); sequence parallel splits the tensor-parallel ranks' norm regions."""
+    p = []
+    if layout.dp % layout.dp_replicate:
+        p.append(f"{name('parallel.dp_replicate')}={layout.dp_replicate} must divide {name('parallel.dp')}="
+                 f"{layout.dp} (HSDP: dp = dp_replicate × dp_shard)")
+    elif layout.dp_replicate > 1 and layout.zero < 2:
+        p.append(f"{name('parallel.dp_replicate')}={layout.dp_replicate} (HSDP) shards within each replica group, "
+                 f"so it needs {name('parallel.zero')} 2 or 3, got {layout.zero}")
+    if layout.sp and layout.tp == 1:
+        p.append(f"{name('parallel.sp')}=true needs {name('parallel.tp')} > 1 (sequence parallel splits the norm "
+                 "regions over the tensor-parallel ranks)")
+    return p
 
 
 def data_parallel_wrapper(dp: int, zero: int, tp: int = 1, pp: int = 1, dp_replicate: int = 1, ep: int = 1) -> str:

@@ -41,11 +41,11 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ultratron.errors import UserError
-from ultratron.planning import rules
 from ultratron.planning.experts import all_to_all_seconds, is_moe
-from ultratron.planning.flops import training_flops_per_token
+from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.hardware import Accelerator
-from ultratron.planning.memory import GiB, Layout, MemoryBreakdown, check_layout, estimate_memory
+from ultratron.planning.layout import Layout, check_layout
+from ultratron.planning.memory import GiB, MemoryBreakdown, estimate_memory
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import LOOPED, SCHEDULES, SINGLE
 from ultratron.planning.pipeline import bubble_fraction as bubble_fraction_of
@@ -64,7 +64,7 @@ class SearchSpec:
     n_gpus: int
     gpus_per_node: int
     global_batch_tokens: int
-    seq: int
+    seq_len: int
     precision: str = "bf16"
     headroom: float = 0.10  # fraction of GPU memory left free (allocator fragmentation, CUDA context)
     efficiency: float = 0.6  # fraction of the dense peak large matmuls reach
@@ -72,6 +72,9 @@ class SearchSpec:
     activation_model: str = "per-op"
     max_mbs: int = 16
     max_cp: int = 8
+    # Layout fields the user fixed (`plan search --tp 8`): the search keeps the layouts it would
+    # choose that have these values, and sets those it never varies (pp_split, dp_replicate, ...).
+    fixed: dict = field(default_factory=dict)
 
     @property
     def usable_bytes(self) -> float:
@@ -148,31 +151,26 @@ def _size_factor(size: float) -> float:
     return size / (size + MATMUL_HALF_SIZE)
 
 
-def _trainer_runs(axis: str, degrees: list[int]) -> list[int]:
-    """The degrees to try on an axis: only 1 where the trainer does not run it (rules.TRAINER_AXES)."""
-    return degrees if axis in rules.TRAINER_AXES else [1]
-
-
 def enumerate_layouts(spec: SearchSpec):
     """Every layout the search considers (valid shapes; memory not yet checked)."""
     shape = spec.shape
     n, node = spec.n_gpus, spec.gpus_per_node
-    sequences = spec.global_batch_tokens // spec.seq
-    for tp in _trainer_runs("tp", _powers_of_two(node)):
+    sequences = spec.global_batch_tokens // spec.seq_len
+    for tp in _powers_of_two(node):
         if n % tp or layout_problems(shape, tp=tp):
             continue
-        for cp in _trainer_runs("cp", _powers_of_two(spec.max_cp)):
-            if (n // tp) % cp or spec.seq % cp:
+        for cp in _powers_of_two(spec.max_cp):
+            if (n // tp) % cp or spec.seq_len % cp:
                 continue
-            for pp in _trainer_runs("pp", _divisors(n // (tp * cp))):
+            for pp in _divisors(n // (tp * cp)):
                 if pp > shape.n_layers:
                     continue
                 dp = n // (tp * cp * pp)
-                if sequences % dp or layout_problems(shape, tp=tp, pp=pp, cp=cp, seq=spec.seq, dp=dp):
+                if sequences % dp or layout_problems(shape, tp=tp, pp=pp, cp=cp, seq=spec.seq_len, dp=dp):
                     continue
                 # expert parallel for a mixture of experts: ep of the dp ranks, dividing the experts
-                eps = _trainer_runs("ep", [ep for ep in _powers_of_two(dp) if not layout_problems(shape, ep=ep, dp=dp)]
-                                    if is_moe(shape) else [1])
+                eps = ([ep for ep in _powers_of_two(dp) if not layout_problems(shape, ep=ep, dp=dp)]
+                       if is_moe(shape) else [1])
                 per_rank = sequences // dp
                 # every schedule the trainer runs; the looped ones with 2 or 4 stages per rank
                 schedules = [("1f1b", 0)] if pp == 1 else [(s, v) for s in SCHEDULES for v in (
@@ -188,8 +186,25 @@ def enumerate_layouts(spec: SearchSpec):
                                              micro_batches=grad_acc, dp=dp * cp, zero=zero, recompute=recompute):
                             continue
                         yield Layout(dp=dp, zero=zero, tp=tp, sp=tp > 1, pp=pp, pp_schedule=schedule,
-                                     virtual_stages=v, cp=cp, ep=ep, mbs=mbs, grad_acc=grad_acc, seq=spec.seq,
-                                     recompute=recompute, precision=spec.precision)
+                                     pp_virtual_stages=v, cp=cp, ep=ep, micro_batch_size=mbs, grad_accum=grad_acc,
+                                     seq_len=spec.seq_len, recompute=recompute, precision=spec.precision)
+
+
+# The fields `enumerate_layouts` chooses; a fixed value of another is set on every layout it yields.
+SEARCHED = ("dp", "zero", "tp", "pp", "pp_schedule", "pp_virtual_stages", "cp", "ep", "micro_batch_size", "grad_accum",
+            "seq_len", "recompute", "precision")
+
+
+def constrained_layouts(spec: SearchSpec):
+    """The layouts the search considers under `spec.fixed`: those it chooses with the fixed values,
+    and the fixed values of the fields it never varies set (then checked by the trainer's rules again)."""
+    chosen = {k: v for k, v in spec.fixed.items() if k in SEARCHED}
+    given = {k: v for k, v in spec.fixed.items() if k not in SEARCHED}
+    for layout in enumerate_layouts(spec):
+        if all(getattr(layout, k) == v for k, v in chosen.items()):
+            layout = replace(layout, **given)
+            if not given or not check_layout(spec.shape, layout):
+                yield layout
 
 
 def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | None = None) -> Estimate:
@@ -197,18 +212,16 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     docstring: the one function `plan estimate` prints and `plan search` ranks by."""
     shape, acc = spec.shape, spec.accelerator
     memory = memory or estimate_memory(shape, layout, spec.activation_model)
-    counts = count_params_of(shape)
     peak = acc.flops[spec.precision]
-    model_flops_per_token = training_flops_per_token(
-        counts, vocab_size=shape.vocab_size, dim=shape.dim, n_layers=shape.n_layers, seq_len=layout.seq)
+    model_flops_per_token = flops_per_token_of(shape, layout.seq_len)
     hardware_factor = {"none": 1.0, "selective": 1.0 + SELECTIVE_RECOMPUTE_OVERHEAD, "full": 4 / 3}[
         layout.recompute]
     tokens = spec.global_batch_tokens
-    micro_tokens = layout.mbs * layout.seq / layout.cp
+    micro_tokens = layout.micro_batch_size * layout.seq_len / layout.cp
     h = shape.dim
     efficiency = spec.efficiency * _size_factor(micro_tokens) * _size_factor(h / layout.tp)
     compute = tokens * model_flops_per_token * hardware_factor / (spec.n_gpus * peak * efficiency)
-    m = layout.grad_acc
+    m = layout.grad_accum
     per_micro = compute / m
     p = layout.compute_bytes
     layers = shape.n_layers / layout.pp
@@ -225,7 +238,7 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
         hops = 3 * (layout.cp - 1)
         chunk = p * micro_tokens * 2 * kv / layout.tp
         ring_s = m * layers * hops * (chunk / _bandwidth(spec, span) + _latency(spec, span))
-        attention_share = 12 * shape.n_layers * h * layout.seq / model_flops_per_token
+        attention_share = 12 * shape.n_layers * h * layout.seq_len / model_flops_per_token
         cp_exposed = max(0.0, ring_s - spec.overlap * compute * attention_share)
     ep_span = layout.tp * layout.cp * layout.ep
     ep_comm = m * all_to_all_seconds(shape, micro_tokens, p, layout.ep, layers, _bandwidth(spec, ep_span),
@@ -236,7 +249,7 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
         sends = m * layout.stages_per_rank * 2
         pp_comm = sends * (p * micro_tokens * h / _bandwidth(spec, span) + _latency(spec, span))
     # the schedule's published bubble (planning.pipeline.bubble_fraction; measured: docs/parallel.md)
-    bubble_fraction = bubble_fraction_of(layout.pp_schedule, layout.pp, layout.virtual_stages, m)
+    bubble_fraction = bubble_fraction_of(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, m)
     pipelined = compute + tp_comm + cp_exposed + pp_comm + ep_comm
     bubble = pipelined * bubble_fraction
 
@@ -296,10 +309,12 @@ def _reasons(spec: SearchSpec, est: Estimate, bubble_fraction: float) -> list[st
                                                   ", which fits but runs slower at a smaller micro-batch"))
     if lay.zero:
         sharded = {1: "optimizer state", 2: "optimizer state and grads", 3: "all model states"}[lay.zero]
-        need = estimate_memory(spec.shape, replace(lay, zero=lay.zero - 1), spec.activation_model).peak_bytes
-        why = "does not fit" if need > spec.usable_bytes else "fits too; the step time is the same"
-        reasons.append(f"ZeRO-{lay.zero} shards {sharded} over {lay.shard_group} ranks "
-                       f"(ZeRO-{lay.zero - 1} would need {need / GiB:.1f} GiB: {why})")
+        lower = replace(lay, zero=lay.zero - 1)
+        refused = check_layout(spec.shape, lower)  # (HSDP needs ZeRO 2 or 3)
+        need = 0.0 if refused else estimate_memory(spec.shape, lower, spec.activation_model).peak_bytes
+        why = (f"the trainer refuses it: {refused[0]}" if refused else f"would need {need / GiB:.1f} GiB: "
+               + ("does not fit" if need > spec.usable_bytes else "fits too; the step time is the same"))
+        reasons.append(f"ZeRO-{lay.zero} shards {sharded} over {lay.shard_group} ranks (ZeRO-{lay.zero - 1} {why})")
     return reasons
 
 
@@ -312,9 +327,10 @@ def _complexity(layout: Layout) -> tuple:
 def search(spec: SearchSpec, top: int = 5) -> SearchResult:
     """All fitting layouts, fastest first, with a summary of what was considered and why."""
     problems = []
-    if spec.global_batch_tokens % spec.seq:
+    seq = spec.seq_len
+    if spec.global_batch_tokens % seq:
         problems.append(f"global batch of {spec.global_batch_tokens} tokens is not a multiple of the sequence "
-                        f"length {spec.seq}; try {spec.global_batch_tokens // spec.seq * spec.seq or spec.seq}")
+                        f"length {seq}; try {spec.global_batch_tokens // seq * seq or seq}")
     if spec.n_gpus % spec.gpus_per_node and spec.n_gpus > spec.gpus_per_node:
         problems.append(f"{spec.n_gpus} GPUs is not a whole number of {spec.gpus_per_node}-GPU nodes")
     if spec.precision not in spec.accelerator.flops:
@@ -324,7 +340,7 @@ def search(spec: SearchSpec, top: int = 5) -> SearchResult:
     fitting: list[Estimate] = []
     considered = too_big = 0
     closest: tuple[float, Layout, MemoryBreakdown] | None = None
-    for layout in enumerate_layouts(spec):
+    for layout in constrained_layouts(spec):
         considered += 1
         memory = estimate_memory(spec.shape, layout, spec.activation_model)
         if memory.peak_bytes > spec.usable_bytes:
@@ -347,12 +363,17 @@ def _summary(spec: SearchSpec, fitting: list[Estimate], considered: int, too_big
     psi = count_params_of(spec.shape).total
     states = 16 * psi  # bf16 weights and grads, fp32 master and Adam moments
     lines = [f"{considered} layouts considered for {spec.n_gpus} × {spec.accelerator.name} "
-             f"({spec.gpus_per_node} per node), {spec.global_batch_tokens:,} tokens per step at seq {spec.seq}; "
+             f"({spec.gpus_per_node} per node), {spec.global_batch_tokens:,} tokens per step at seq {spec.seq_len}"
+             + "".join(f", {k}={v}" for k, v in spec.fixed.items()) + "; "
              f"{too_big} do not fit in {spec.usable_bytes / GiB:.1f} GiB usable, {len(fitting)} fit"]
     if fitting:
         best = fitting[0]
         lines.append(f"best: {best.layout.describe()} — {best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
                      f"MFU {best.mfu:.1%} (at an assumed matmul efficiency of {spec.efficiency:.0%})")
+        return lines
+    if not considered and spec.fixed:
+        lines.append("nothing fits: no layout for these GPUs and this batch has " + ", ".join(
+            f"{k}={v}" for k, v in spec.fixed.items()) + " under the trainer's rules")
         return lines
     min_gpus = math.ceil(states / spec.usable_bytes)
     lines.append(f"nothing fits: the model states alone are 16 bytes × {psi / 1e9:.1f}B params = "

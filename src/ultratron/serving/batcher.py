@@ -22,6 +22,7 @@ from collections.abc import Callable
 from ultratron.errors import ConfigError
 from ultratron.inference.engine import Engine, Sequence
 from ultratron.inference.kv_cache import SlotCache
+from ultratron.models.registry import model_args
 
 
 def check_kv_memory(model, slots: int, capacity: int) -> int:
@@ -55,7 +56,8 @@ class _Job:
 class Batcher:
     def __init__(self, model, eos_id: int, decode: Callable[[list[int]], str], max_rows: int = 32,
                  max_queue: int = 256, capacity: int | None = None, continuous: bool = True):
-        capacity = min(capacity or model.args.max_seq_len, model.args.max_seq_len)
+        context = model_args(model).max_seq_len
+        capacity = min(capacity or context, context)
         self.kv_bytes = check_kv_memory(model, max_rows, capacity)
         self.engine = Engine(model, eos_id, decode, slots=max_rows, capacity=capacity)
         self.max_queue, self.continuous = max_queue, continuous

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ultratron.errors import ConfigError
 from ultratron.inference.engine import SamplingParams, Sequence, TokenInfo
+from ultratron.models.registry import model_args
 from ultratron.serving.batcher import Batcher, QueueFull
 from ultratron.serving.chat import TemplateError, chat_prompt, chat_stops
 from ultratron.serving.requests import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -70,8 +71,9 @@ class Server:
                  limits: ServerLimits | None = None):
         self.model, self.tokenizer, self.model_name, self.api_key = model, tokenizer, model_name, api_key
         self.limits = limits or ServerLimits()
-        self.context = min(model.args.max_seq_len, self.limits.max_model_len or model.args.max_seq_len)
-        self.vocab_size = model.args.vocab_size
+        args = model_args(model)
+        self.context = min(args.max_seq_len, self.limits.max_model_len or args.max_seq_len)
+        self.vocab_size = args.vocab_size
         self.created = int(time.time())
         self.batcher = Batcher(model, tokenizer.eos_id, tokenizer.decode, self.limits.max_batch_rows,
                                self.limits.max_queue, self.context, self.limits.continuous)

@@ -13,14 +13,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ultratron.checkpoint.manager import (
-    Checkpointer,
-    ModelState,
-    SaveOutcome,
-    holds_run_state,
-    resolve_checkpoint_dir,
-)
+from ultratron.checkpoint.checkpointer import Checkpointer
+from ultratron.checkpoint.manager import ModelState, SaveOutcome, holds_run_state
 from ultratron.checkpoint.storage import Location
+from ultratron.checkpoint.store import resolve_checkpoint_dir
 from ultratron.data.tokenizer import Tokenizer
 from ultratron.errors import CheckpointError, CheckpointStorageError
 from ultratron.training.metrics import truncate_metrics
@@ -44,7 +40,6 @@ class CheckpointPolicy:
         self.model_state, self.train_state = model_state, train_state
         self.files = files  # () -> {"config.toml": ..., "tokenizer.json": ...}
         self.last: Location | None = None
-        self.failed_saves = 0
 
     @property
     def storage(self):
@@ -142,7 +137,6 @@ class CheckpointPolicy:
             self.log(f"checkpoint: saved step {outcome.step} to {outcome.location}")
             self.log.event("checkpoint", outcome.step, path=str(outcome.location))  # for the trackers (W&B)
             return outcome
-        self.failed_saves += 1
         if outcome.fatal:
             raise CheckpointStorageError(f"{outcome.error}; training stopped at step {self.train_state.step} "
                                          f"(last good checkpoint: {self.last or 'none'})")

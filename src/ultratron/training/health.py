@@ -1,21 +1,215 @@
-"""Health checks around the training loop: once before the first step and every `health.interval`
-minutes. Every rank checks its GPU (NVML) and times a matmul and an all-reduce; rank 0 logs the
-group's verdict, names a straggler (slower than `health.straggler_factor` × the others' median),
-and records the timings in the metrics. A failing GPU is named in the log and in
-RUN_DIR/unhealthy-nodes.txt (which the Slurm script excludes when it resubmits the job) and,
-with `health.stop_on_failure`, stops training. The checks themselves: `parallel/health.py`.
+"""Health checks, and the trainer's monitor that runs them: before the first step and every
+`health.interval` minutes every rank checks its GPU (NVML) and times a matmul and an all-reduce;
+rank 0 logs the group's verdict, names a straggler (slower than `health.straggler_factor` × the
+others' median), and records the timings in the metrics. A failing GPU is named in the log and in
+RUN_DIR/unhealthy-nodes.txt (which the Slurm script excludes when it resubmits the job) and, with
+`health.stop_on_failure`, stops training. `ultratron health` runs the node's part alone on each
+node of a Slurm job before torchrun starts (cli/health.py).
+
+GPU (nvidia-ml-py, `import pynvml`): uncorrected ECC errors, pages pending retirement, row-remap
+failures or pending remaps, temperature, hardware clock slowdowns, and XID events. Which XIDs
+mean a GPU needs attention follows NVIDIA's XID catalogue: 48 (double-bit ECC), 63/64 (page
+retirement or row remap recorded/failed), 74 (NVLink), 79 (fallen off the bus), 92 (high
+single-bit ECC rate), 94/95 (contained/uncontained ECC). XIDs arrive only as events, so only
+those after the monitor registered are seen. Without a GPU (or NVML) the GPU part says
+"no GPU" and the timing checks still run.
 """
 
 from __future__ import annotations
 
+import socket
+import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ultratron.errors import DeviceError
-from ultratron.parallel.health import GpuMonitor, check_rank, gather, judge
+
+CRITICAL_XIDS = {48: "double-bit ECC error", 63: "page retirement / row remap recorded",
+                 64: "page retirement / row remap failed", 74: "NVLink error", 79: "GPU fell off the bus",
+                 92: "high single-bit ECC error rate", 94: "contained ECC error", 95: "uncontained ECC error"}
+
+
+@dataclass
+class GpuHealth:
+    """What NVML says about this node's GPUs: `problems` fail the check, `warnings` are only logged."""
+
+    available: bool
+    summary: str
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+class GpuMonitor:
+    """NVML, opened once: XID events are only delivered to an event set registered beforehand."""
+
+    def __init__(self, indices: list[int] | None = None):
+        self.nvml, self.error, self.handles, self.events = None, None, [], None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except ImportError:
+            self.error = "nvidia-ml-py is not installed"
+            return
+        except Exception as err:  # pynvml.NVMLError_LibraryNotFound and others: no driver, no GPU
+            self.error = f"NVML unavailable ({err})"
+            return
+        self.nvml = pynvml
+        count = pynvml.nvmlDeviceGetCount()
+        self.handles = [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in (indices or range(count)) if i < count]
+        try:
+            self.events = pynvml.nvmlEventSetCreate()
+            for _, handle in self.handles:
+                pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, self.events)
+        except Exception:  # not supported (some virtualized GPUs): XIDs go unseen, said in the summary
+            self.events = None
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception:  # NVMLError_NotSupported on GPUs without the counter
+            return None
+
+    def check(self, max_temperature: int) -> GpuHealth:
+        if self.nvml is None:
+            return GpuHealth(False, f"no GPU: {self.error}")
+        if not self.handles:
+            return GpuHealth(False, "no GPU: NVML sees no device")
+        n, report = self.nvml, GpuHealth(True, "")
+        for index, h in self.handles:
+            gpu = f"GPU {index}"
+            unc = self._call(n.nvmlDeviceGetTotalEccErrors, h, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                             n.NVML_VOLATILE_ECC)
+            if unc:
+                report.problems.append(f"{gpu}: {unc} uncorrected ECC errors since the driver loaded")
+            if self._call(n.nvmlDeviceGetRetiredPagesPendingStatus, h) == n.NVML_FEATURE_ENABLED:
+                report.problems.append(f"{gpu}: retired pages pending (needs a GPU reset)")
+            rows = self._call(n.nvmlDeviceGetRemappedRows, h)  # (corrected, uncorrected, pending, failure)
+            if rows is not None and rows[3]:
+                report.problems.append(f"{gpu}: row remapping failed")
+            elif rows is not None and rows[2]:
+                report.problems.append(f"{gpu}: row remap pending (needs a GPU reset)")
+            temp = self._call(n.nvmlDeviceGetTemperature, h, n.NVML_TEMPERATURE_GPU)
+            if temp is not None and temp >= max_temperature:
+                report.problems.append(f"{gpu}: {temp} °C, at or above health.max_temperature {max_temperature}")
+            reasons = self._call(n.nvmlDeviceGetCurrentClocksEventReasons, h) or 0
+            slow = [name for bit, name in ((n.nvmlClocksEventReasonHwSlowdown, "hardware slowdown"),
+                                           (n.nvmlClocksEventReasonHwThermalSlowdown, "thermal slowdown"),
+                                           (n.nvmlClocksEventReasonHwPowerBrakeSlowdown, "power brake"))
+                    if reasons & bit]
+            if slow:
+                report.warnings.append(f"{gpu}: clocks held back ({', '.join(slow)})")
+        report.problems += self._xids()
+        seen = "" if self.events is not None else "; XID events not readable here"
+        report.summary = f"{len(self.handles)} GPU(s) checked{seen}"
+        return report
+
+    def _xids(self) -> list[str]:
+        found = []
+        while self.events is not None:
+            try:
+                event = self.nvml.nvmlEventSetWait(self.events, 0)
+            except Exception:  # NVML_ERROR_TIMEOUT: no event waiting
+                break
+            xid = int(event.eventData)
+            if xid in CRITICAL_XIDS:
+                found.append(f"XID {xid} ({CRITICAL_XIDS[xid]})")
+        return found
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_seconds(device: torch.device, size: int, repeats: int = 5) -> float:
+    """Median seconds of one size×size matmul (fp32 on CPU, bf16 on GPU), after a warm-up."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    times = []
+    for i in range(repeats + 1):
+        _sync(device)
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def allreduce_seconds(device: torch.device, numel: int = 1 << 20, repeats: int = 5, group=None) -> float:
+    """Median seconds of an all-reduce of `numel` fp32 values; every rank calls it together."""
+    x = torch.ones(numel, device=device)
+    times = []
+    for i in range(repeats + 1):
+        dist.barrier(group=group)
+        _sync(device)
+        start = time.perf_counter()
+        dist.all_reduce(x, group=group)
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def others_median(times: list[float], i: int) -> float:
+    return statistics.median(times[:i] + times[i + 1:])
+
+
+def stragglers(times: list[float], factor: float) -> list[int]:
+    """Indices whose time exceeds `factor` × the median of the others' (so two ranks can be compared)."""
+    if len(times) < 2:
+        return []
+    return [i for i, t in enumerate(times) if t > factor * others_median(times, i) > 0]
+
+
+@dataclass
+class RankHealth:
+    rank: int
+    host: str
+    matmul_s: float
+    allreduce_s: float | None
+    gpu: GpuHealth
+
+
+def check_rank(rank: int, device: torch.device, monitor: GpuMonitor, *, matmul_size: int, max_temperature: int,
+               distributed: bool) -> RankHealth:
+    size = matmul_size or (4096 if device.type == "cuda" else 256)
+    return RankHealth(rank, socket.gethostname(), matmul_seconds(device, size),
+                      allreduce_seconds(device) if distributed else None, monitor.check(max_temperature))
+
+
+def gather(mine: RankHealth) -> list[RankHealth]:
+    """Every rank's report, on every rank (one call on every rank)."""
+    if not dist.is_initialized():
+        return [mine]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def judge(reports: list[RankHealth], factor: float) -> tuple[list[str], list[str], list[str]]:
+    """(problems, warnings, failing hosts) of the whole group."""
+    problems, warnings, failing = [], [], []
+    for r in reports:
+        for p in r.gpu.problems:
+            problems.append(f"{r.host} rank {r.rank}: {p}")
+            failing.append(r.host)
+        warnings += [f"{r.host} rank {r.rank}: {w}" for w in r.gpu.warnings]
+    for what, times in (("matmul", [r.matmul_s for r in reports]),
+                        ("all-reduce", [r.allreduce_s for r in reports if r.allreduce_s is not None])):
+        if len(times) == len(reports):
+            for i in stragglers(times, factor):
+                median = others_median(times, i)
+                warnings.append(f"{reports[i].host} rank {reports[i].rank}: straggler: {what} {times[i] * 1e3:.2f} "
+                                f"ms, {times[i] / median:.1f}× the other ranks' median {median * 1e3:.2f} ms")
+    return problems, warnings, sorted(set(failing))
+
 
 UNHEALTHY_FILE = "unhealthy-nodes.txt"
 

@@ -9,12 +9,12 @@ more sink class.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import sys
 import time
 from pathlib import Path
 
+from ultratron import atomic
 from ultratron.errors import ConfigError
 
 
@@ -186,9 +186,8 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
     """Drop records after `last_step` (steps a crashed run logged past its last checkpoint),
     so a resumed run's metrics.jsonl holds each step once."""
     records = [r for r in read_metrics(run_dir) if r.get("step", 0) <= last_step]
-    tmp = run_dir / f"metrics.jsonl.tmp-{os.getpid()}"  # ranks of one run may trim at once
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    os.replace(tmp, run_dir / "metrics.jsonl")
+    # ranks of one run may trim at once: each writes its own temporary (named by its process id)
+    atomic.write_text(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
 
 
 MEMORY_DIR = "memory"
@@ -210,6 +209,4 @@ def write_memory_peak(run_dir: Path, rank: int, device) -> None:
                    "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
     path = Path(run_dir) / MEMORY_DIR / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(path)
+    atomic.write_json(path, record)

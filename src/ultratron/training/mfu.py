@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ultratron import atomic
 from ultratron.planning.flops import mfu
 from ultratron.planning.hardware import dtype_key, peak_flops
 
@@ -66,9 +67,7 @@ def cpu_peak_flops(dtype: str = "fp32", cache_path: Path | None = None, refresh:
     cache[key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-        tmp.replace(path)  # never leave a half-written cache behind
+        atomic.write_json(path, cache, indent=1, sort_keys=True)  # never a half-written cache
     except OSError:
         pass  # a read-only home only costs a re-measurement next time
     return value, f"measured {dtype} matmul on this CPU"

@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from ultratron.checkpoint.manager import ModelState, snapshot
-from ultratron.checkpoint.store import step_dir_name
+from ultratron.checkpoint.manager import CheckpointWriter, ModelState, WriteOptions
+from ultratron.checkpoint.store import CheckpointRoot, step_dir_name
 from ultratron.config import EndpointConfig
 from ultratron.config.loader import settings_from, to_flags
 
@@ -68,9 +68,13 @@ class PeriodicEvaluator:
             snap = None
             where = to_flags(settings_from(EndpointConfig, e))
         else:
-            snap = self.dir / "snapshots" / step_dir_name(step)
+            # a weights-only checkpoint for the child: links to the files of `checkpoint` when it
+            # holds this step's weights on local disk (nothing copied), else the live model written out
+            snaps = CheckpointRoot(self.dir / "snapshots")
+            snap = snaps.path_for(step)
             shutil.rmtree(snap, ignore_errors=True)
-            snapshot(snap, step, files, model=ModelState(model), source=checkpoint)
+            CheckpointWriter(snaps).write(step, ModelState(model), files=files,
+                                          options=WriteOptions(link_from=checkpoint)).result()
             where = ["--checkpoint", str(snap)]
         cmd = [sys.executable, "-m", "ultratron", "eval", *where, "--tasks", e.tasks,
                "--max-examples", str(e.max_examples), "--json", str(out), "--step", str(step),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ultratron.atomic import atomic_path
 from ultratron.errors import UserError
 from ultratron.training.metrics import read_metrics
 
@@ -37,9 +38,8 @@ def draw_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.set(title=title, xlabel="step")
     fig.suptitle(f"ultratron run: {run_dir}")
     out = Path(out) if out else run_dir / "report.png"
-    tmp = out.with_name(out.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_path(out, keep_suffix=True) as tmp:  # savefig takes the format from the extension
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
-    tmp.replace(out)
     return out
 

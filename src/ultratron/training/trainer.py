@@ -20,10 +20,10 @@ from ultratron.config import Config, to_dict, to_toml
 from ultratron.data.mixture import open_loader
 from ultratron.data.prepare import prepare_data
 from ultratron.errors import DeviceError
-from ultratron.models.llama import build_model
+from ultratron.models.registry import build_model
 from ultratron.models.sampling import generate
 from ultratron.parallel.parallelize import parallelize, topology
-from ultratron.planning.flops import training_flops_per_token
+from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.params import count_params_of
 from ultratron.training.batch_ramp import BatchSchedule
 from ultratron.training.checkpointing import CheckpointPolicy, with_init_tokenizer
@@ -65,7 +65,7 @@ class TrainResult:
 class Trainer:
     def __init__(self, cfg: Config, echo: bool = True):
         self.cfg, t = cfg, cfg.training
-        self.dims = topology(cfg.parallel)
+        self.dims = topology(cfg.layout, cfg.parallel.collective_timeout)
         self.run_dir = Path(cfg.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log = Reporter(self.run_dir, is_main=self.dims.is_main, tensorboard=cfg.run.tensorboard,
@@ -104,8 +104,7 @@ class Trainer:
         self.guard = StabilityGuard(cfg, self.checkpoints, self.train_loader, self.log)
         counts = count_params_of(cfg.model)
         self.n_params, self.n_active = counts.total, counts.active
-        self.flops_per_token = training_flops_per_token(counts, vocab_size=cfg.model.vocab_size, dim=cfg.model.dim,
-                                                        n_layers=cfg.model.n_layers, seq_len=t.seq_len)
+        self.flops_per_token = flops_per_token_of(cfg.model, t.seq_len)
         self.mfu = MfuMeter(self.device, t.precision, self.flops_per_token, self.dims.world_size, self.log)
         self.periodic = PeriodicEvaluator(cfg, self.run_dir, self.log, enabled=not self.dims.distributed)
         self.profiler = StepProfiler(t.profile_steps, self.run_dir, self.dims.rank, self.device, self.log)

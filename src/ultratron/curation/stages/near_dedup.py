@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ultratron.atomic import atomic_path
 from ultratron.curation.frame import StageContext, iter_records, write_json
 
 # A word is a maximal run of \w characters. (Replacing [^\w\s] by spaces and splitting on
@@ -78,9 +79,8 @@ def _near_index(args: tuple[str, str, int, int, int]) -> str:
                 texts.append(record["text"])
         sig = signatures(texts, ngram, num_perm, seed)
         write_json(Path(out_path + ".ids.json"), ids)
-        tmp = out_path + ".tmp.npy"
-        np.save(tmp, sig)
-        Path(tmp).replace(out_path + ".npy")
+        with atomic_path(out_path + ".npy", keep_suffix=True) as tmp:  # np.save appends .npy to other names
+            np.save(tmp, sig)
     return out_path
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ultratron.atomic import atomic_path
 from ultratron.curation.frame import StageContext, count_tokens, iter_records, unpack_tokens
 from ultratron.curation.stages.tokenize import TOKENIZER_FILE
 from ultratron.data.sources import held_out
@@ -39,10 +40,9 @@ def _write_parquet(args: tuple[str, str, float]) -> str:
         rows["text"].append(record["text"])
         rows["n_tokens"].append(count_tokens(record.get("tokens")))
         rows["split"].append(_split(record["id"], fraction))
-    tmp = out_path + ".tmp"
-    pq.write_table(pa.table(rows, schema=pa.schema([("id", pa.string()), ("text", pa.string()),
-                                                   ("n_tokens", pa.int64()), ("split", pa.string())])), tmp)
-    Path(tmp).replace(out_path)
+    schema = pa.schema([("id", pa.string()), ("text", pa.string()), ("n_tokens", pa.int64()), ("split", pa.string())])
+    with atomic_path(out_path) as tmp:
+        pq.write_table(pa.table(rows, schema=schema), str(tmp))
     return out_path
 
 

@@ -16,16 +16,20 @@ step ran 4–14 % faster with MKL's (the two interleaved in one process, four co
 steps each); an earlier day saw no difference. So the weight gradient is MKL's; the forward and
 the input gradient stay oneDNN's.
 
-`apply_cpu_linear` turns each bias-free `nn.Linear` of a CPU model into `OneDNNLinear`: the same
-module, parameters and state-dict names, whose forward calls the custom op `ultratron::linear`
-(forward and input gradient one oneDNN matmul each, the weight gradient one MKL sgemm) when the
-step computes in fp32 on plain tensors, and `F.linear` otherwise — under bf16 autocast (torch
-already uses oneDNN for bf16), on DTensors (tensor parallel; FSDP2 hands the layer its gathered
-weight as a plain tensor, so ZeRO keeps the fast path), in other dtypes. Selective recompute saves
-the op's output as it saves aten's matmuls (`parallel/recompute.py`); torch.compile keeps it as
-one opaque call.
-`auto` (the default) uses it only where a probe at start agrees with `F.linear` (values and both
-gradients within 1e-5 relative); `onednn` insists (an error says why it cannot); `aten` is torch's.
+`apply_cpu_linear` replaces each bias-free `nn.Linear` of a CPU model by a `OneDNNLinear` holding
+the same Parameter (tied weights stay tied; state-dict names are unchanged), whose forward calls
+the custom op `ultratron::linear` (forward and input gradient one oneDNN matmul each, the weight
+gradient one MKL sgemm) when the step computes in fp32 on plain tensors, and `F.linear` otherwise
+— under bf16 autocast (torch already uses oneDNN for bf16), on DTensors (tensor parallel; FSDP2
+hands the layer its gathered weight as a plain tensor, so ZeRO keeps the fast path), in other
+dtypes. Selective recompute saves the op's output as it saves aten's matmuls
+(`parallel/recompute.py`); torch.compile keeps it as one opaque call.
+
+Opt-in (`training.cpu_linear = onednn`; the default `aten` is torch's own kernel): it swaps a
+custom op into every linear layer for a gain that depends on the CPU (AMD's, where MKL runs AVX2;
+little on Intel's) and on the day (1.0–1.2× the step, docs/performance.md), so the general path
+keeps torch's kernel. When asked for, a probe first checks that it works here and agrees with
+`F.linear` (values and both gradients within 1e-5 relative), and an error says why it cannot run.
 """
 
 from __future__ import annotations
@@ -119,8 +123,8 @@ def probe() -> str | None:
 
 
 def apply_cpu_linear(model: nn.Module, mode: str, tp: int) -> nn.Module:
-    """Bias-free `nn.Linear` layers of a CPU model become `OneDNNLinear` (unless `mode` is aten,
-    tensor parallel shards them, or — under auto — the probe fails)."""
+    """With `mode` onednn, the bias-free `nn.Linear` layers of a CPU model become `OneDNNLinear`
+    (a ConfigError says why where they cannot); with aten the model is left as it is."""
     if mode == "aten":
         return model
     if next(model.parameters()).device.type != "cpu":
@@ -130,10 +134,17 @@ def apply_cpu_linear(model: nn.Module, mode: str, tp: int) -> nn.Module:
     else:
         problem = probe()
     if problem is not None:
-        if mode == "onednn":
-            raise ConfigError([f"training.cpu_linear = onednn: {problem}; use auto or aten"])
-        return model
-    for module in model.modules():
-        if type(module) is nn.Linear and module.bias is None:
-            module.__class__ = OneDNNLinear
+        raise ConfigError([f"training.cpu_linear = onednn: {problem}; use aten (torch's own kernel)"])
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.bias is None:
+                setattr(parent, name, _onednn_twin(child))
     return model
+
+
+def _onednn_twin(linear: nn.Linear) -> OneDNNLinear:
+    """A `OneDNNLinear` holding `linear`'s own weight (the same Parameter: a tied weight stays tied,
+    and the state-dict names are the same)."""
+    twin = OneDNNLinear(linear.in_features, linear.out_features, bias=False, device="meta")
+    twin.weight = linear.weight
+    return twin

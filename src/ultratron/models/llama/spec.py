@@ -1,0 +1,103 @@
+"""The Llama family's planning formulas, torch-free: parameter counts by part — what the model holds
+(total) and what one token uses (active) — and training FLOPs per token, for anything with the model
+fields (a preset's ModelShape, a resolved ModelConfig). `planning/` asks `models.specs.spec_of(cfg)`.
+
+Parameters. Source: Ultra-Scale Playbook (Hugging Face 2025) — embeddings v·h (×2 untied), attention
+h·(2·a·d + 2·kv·d) for a query heads and kv key/value heads of width d (= 4·h² for multi-head
+attention with d = h/a), SwiGLU MLP 3·h·h_ff, plus the RMSNorm weights. A mixture-of-experts layer
+(models/moe.py) replaces the MLP by a router h·E and E experts of 3·h·h_e each, plus S shared
+experts (3·h·S·h_e); a token uses the router, k routed experts and the shared ones (Fedus et al.
+2021; DeepSeek-AI 2024), so active = total − (E − k)·3·h·h_e per MoE layer. A test checks
+`sum(p.numel())` of the real module for every preset, and the published totals of Mixtral-8x7B,
+Qwen3-30B-A3B and DeepSeek-V3.
+
+FLOPs. Source: Ultra-Scale Playbook and Chowdhery et al. 2022 (PaLM, appendix B): training FLOPs per
+token ≈ 6·N + 12·L·h·s, where N counts every weight that takes part in a matmul (here: all parameters
+except the input embedding, which is a lookup, but including the output projection even when tied)
+and 12·L·h·s covers the attention scores and weighted sum (forward 4·L·h·s, backward twice that),
+counted without the causal halving as is customary. Forward is ≈ 1/3 of it, backward ≈ 2/3. A
+mixture of experts counts its active parameters only — the router, each token's k routed experts and
+the shared ones (DeepSeek-AI 2024 quotes its FLOPs per token so) —, since a token never touches the
+other experts.
+"""
+
+from __future__ import annotations
+
+from ultratron.models.family import ParamCounts, PlanningSpec
+
+
+def count_params(
+    *,
+    n_layers: int,
+    dim: int,
+    n_heads: int,
+    n_kv_heads: int,
+    ffn_dim: int,
+    vocab_size: int,
+    tie_embeddings: bool,
+    qk_norm: bool = False,
+    qkv_bias: bool = False,
+    head_dim: int = 0,
+    n_experts: int = 0,
+    n_active_experts: int = 0,
+    n_shared_experts: int = 0,
+    expert_ffn_dim: int = 0,
+    n_dense_layers: int = 0,
+) -> ParamCounts:
+    head_dim = head_dim or dim // n_heads
+    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+    attention = dim * q_dim + 2 * dim * kv_dim + q_dim * dim  # wq, wk, wv, wo
+    attention += (q_dim + 2 * kv_dim) if qkv_bias else 0  # their biases (Qwen2)
+    norms = 2 * dim + (2 * head_dim if qk_norm else 0)  # attention_norm, ffn_norm (+ q_norm, k_norm)
+    embedding = vocab_size * dim
+    moe = {}
+    if n_experts:
+        expert = 3 * dim * (expert_ffn_dim or ffn_dim)
+        routed = n_experts * expert
+        moe = dict(moe_layer=attention + norms + dim * n_experts + routed + n_shared_experts * expert,
+                   routed_experts=routed, active_experts=n_active_experts * expert,
+                   n_moe_layers=n_layers - n_dense_layers)
+    return ParamCounts(
+        embedding=embedding,
+        output=0 if tie_embeddings else embedding,
+        per_layer=attention + 3 * dim * ffn_dim + norms,  # + SwiGLU w1 (gate), w3 (up), w2 (down)
+        n_layers=n_layers,
+        final_norm=dim,
+        **moe,
+    )
+
+
+def count_params_of(cfg) -> ParamCounts:
+    """Counts for anything with the model fields (a ModelShape or a resolved ModelConfig)."""
+    optional = ("qk_norm", "qkv_bias", "head_dim", "n_experts", "n_active_experts", "n_shared_experts",
+                "expert_ffn_dim", "n_dense_layers")
+    return count_params(
+        n_layers=cfg.n_layers,
+        dim=cfg.dim,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        ffn_dim=cfg.ffn_dim,
+        vocab_size=cfg.vocab_size,
+        tie_embeddings=cfg.tie_embeddings,
+        **{name: getattr(cfg, name) for name in optional if getattr(cfg, name, None) is not None},
+    )
+
+
+def matmul_params(counts: ParamCounts, vocab_size: int, dim: int) -> int:
+    """Parameters that cost 2 FLOPs per token in the forward pass (the output head counts even if tied;
+    of a mixture of experts, the experts a token is routed to)."""
+    return counts.active_layers + vocab_size * dim
+
+
+def training_flops_per_token(counts: ParamCounts, *, vocab_size: int, dim: int, n_layers: int,
+                             seq_len: int) -> float:
+    return 6.0 * matmul_params(counts, vocab_size, dim) + 12.0 * n_layers * dim * seq_len
+
+
+def flops_per_token(cfg, seq_len: int) -> float:
+    """Training FLOPs per token of a model with these fields at this sequence length."""
+    return training_flops_per_token(count_params_of(cfg), vocab_size=cfg.vocab_size, dim=cfg.dim,
+                                    n_layers=cfg.n_layers, seq_len=seq_len)
+
+
+SPEC = PlanningSpec(count_params=count_params_of, flops_per_token=flops_per_token)
