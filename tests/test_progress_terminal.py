@@ -33,9 +33,9 @@ def with_garbage_at_step_28(self, cfg, *args, **kwargs):
     real = loader.next_batch
 
     def next_batch():
-        position = loader.position
+        position = loader.consumed  # the global position: unique over epochs
         inputs, targets = real()
-        if loader.epoch == 0 and position in positions:
+        if position in positions:
             seeded = torch.Generator().manual_seed(position)
             noise = torch.randint(0, cfg.model.vocab_size, inputs.shape, generator=seeded)
             return noise, torch.roll(noise, -1, 1)

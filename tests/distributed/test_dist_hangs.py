@@ -97,3 +97,21 @@ def test_a_failing_rank_is_named_by_the_others_which_exit_without_a_launcher(dis
         assert lines == [f"error: rank 3 failed (ValueError: a planted failure); rank {rank} stopped: its "
                          "collective could not finish without it"], errs[rank][-2000:]
     assert "ValueError: a planted failure" in errs[3]
+
+
+def test_a_rank_broken_by_a_peer_that_timed_out_says_so(tmp_path, monkeypatch):
+    """Ranks do not time out at the same instant: the first to leave closes its connections, and
+    the others' collectives break on that instead. They must still say the job timed out waiting,
+    not blame the rank that left first (seen under load: 3 waiting ranks, 2 broke this way)."""
+    from torch.distributed import HashStore
+
+    from ultratron.parallel import faults
+
+    store = HashStore()
+    monkeypatch.setattr(faults, "job_store", lambda: store)
+    timed_out = faults.failure_error(RuntimeError("[pair.cc:1] Timed out waiting 20000ms for recv operation"),
+                                     2, WORLD, TIMEOUT, tmp_path, since=0.0)
+    broken = faults.failure_error(RuntimeError("[pair.cc:2] Connection closed by peer [127.0.0.1]:1234"),
+                                  1, WORLD, TIMEOUT, tmp_path, since=0.0)
+    assert f"rank 2: a collective waited parallel.collective_timeout = {TIMEOUT} s" in str(timed_out)
+    assert f"rank 1: rank 2's collective waited parallel.collective_timeout = {TIMEOUT} s" in str(broken)

@@ -34,6 +34,7 @@ from ultratron.parallel.hangs import FLIGHT_DIR
 
 RECORDS = 2000  # collectives kept per rank: a few steps of the largest layouts
 _KEY = "ultratron/failed/"
+_WAITED_KEY = "ultratron/timed-out/"  # a rank whose own collective timed out (it left the job then)
 
 
 class DistributedError(UserError):
@@ -171,6 +172,31 @@ def _from_dumps(run_dir: str | Path, since: float) -> dict[int, str]:
     return found
 
 
+def note_timeout(rank: int) -> None:
+    """Tell the other ranks this rank's collective timed out: it leaves now, and the ranks whose
+    collectives then break on its closed connections say why instead of blaming it."""
+    store = job_store()
+    try:
+        if store is not None:
+            store.set(f"{_WAITED_KEY}{rank}", "1")
+    except Exception:  # noqa: BLE001 - best effort, as report_failure
+        pass
+
+
+def noted_timeouts(world_size: int, wait: float = 3.0) -> list[int]:
+    """Ranks whose collective timed out (`note_timeout`), waiting up to `wait` s for the first."""
+    store, deadline = job_store(), time.monotonic() + wait
+    while store is not None:
+        try:
+            found = [r for r in range(world_size) if store.check([f"{_WAITED_KEY}{r}"])]
+        except Exception:  # noqa: BLE001 - the store's host may be gone
+            return []
+        if found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.1)
+    return []
+
+
 def reported_failures(world_size: int, run_dir: str | Path, since: float, wait: float = 3.0) -> dict[int, str]:
     """The failures other ranks reported since `since` ({rank: line}), waiting up to `wait` s."""
     store = job_store()
@@ -203,12 +229,22 @@ def failure_error(err: BaseException, rank: int, world_size: int, timeout: float
                   since: float) -> UserError:
     """The one line a rank whose collective broke stops with: which rank failed, if one said so."""
     first = _gist(err)
+    timed_out = "timed out" in first.lower() or "timeout" in first.lower()
+    if timed_out:  # before anything else: this rank's sockets close when it leaves
+        note_timeout(rank)
     reports = reported_failures(world_size, run_dir, since)
     if reports:
         who = "; ".join(f"rank {r} failed ({line})" for r, line in sorted(reports.items()))
         return DistributedError(f"{who}; rank {rank} stopped: its collective could not finish without it")
-    timed_out = "timed out" in first.lower() or "timeout" in first.lower()
-    why = (f"a collective waited parallel.collective_timeout = {timeout:g} s for a rank that never arrived"
-           if timed_out else "a peer process ended without reporting an error (killed, or out of memory?)")
+    # Ranks do not time out at the same instant: the first to leave breaks the others' collectives,
+    # which then see a closed connection rather than their own timeout.
+    waited = [] if timed_out else [r for r in noted_timeouts(world_size) if r != rank]
+    if timed_out:
+        why = f"a collective waited parallel.collective_timeout = {timeout:g} s for a rank that never arrived"
+    elif waited:
+        why = (f"rank {waited[0]}'s collective waited parallel.collective_timeout = {timeout:g} s for a rank "
+               f"that never arrived, and its leaving broke this rank's")
+    else:
+        why = "a peer process ended without reporting an error (killed, or out of memory?)"
     return DistributedError(f"rank {rank}: {why} ({first}); every rank's last collectives are in "
                             f"{Path(run_dir) / FLIGHT_DIR}: `ultratron doctor {run_dir}` names the rank")
