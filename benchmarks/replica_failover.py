@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ultratron.launch.local import processes_with
 from ultratron.training.metrics import read_metrics
 
 TINY = ["--model.preset", "tiny", "--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",
@@ -35,15 +36,7 @@ TINY = ["--model.preset", "tiny", "--model.n_layers", "2", "--model.dim", "64", 
 
 def group_process(tag: str, group: int, rank: int) -> int | None:
     """The newest training process of `rank` in replica group `group` of the run tagged `tag`."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-        except OSError:
-            continue
-        if env.get("BENCH_TAG") == tag and env.get("ULTRATRON_REPLICA_GROUP") == str(group) and \
-                env.get("RANK") == str(rank):
-            found.append(int(pid))
+    found = processes_with(BENCH_TAG=tag, ULTRATRON_REPLICA_GROUP=str(group), RANK=str(rank))
     return max(found) if found else None
 
 

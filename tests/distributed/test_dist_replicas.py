@@ -17,6 +17,7 @@ import torch
 from dist_common import dist_base_fixture  # noqa: F401 (fixture)
 
 from ultratron.checkpoint.inference import load_for_inference
+from ultratron.launch.local import processes_with
 from ultratron.training.metrics import read_metrics
 
 pytest.importorskip("torchft")
@@ -29,16 +30,8 @@ ENV_TAG = f"replicas-{os.getpid()}"  # marks this test's processes in /proc
 
 def _worker(group: int, rank: int) -> list[int]:
     """PIDs of the first attempt's training process of `rank` in replica group `group`."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-        except OSError:
-            continue
-        if env.get("ULTRATRON_REPLICA_GROUP") == str(group) and env.get("RANK") == str(rank) and \
-                env.get("TORCHELASTIC_RESTART_COUNT") == "0" and env.get("ULTRATRON_TEST_RUN") == ENV_TAG:
-            found.append(int(pid))
-    return found
+    return processes_with(ULTRATRON_REPLICA_GROUP=str(group), RANK=str(rank), TORCHELASTIC_RESTART_COUNT="0",
+                          ULTRATRON_TEST_RUN=ENV_TAG)
 
 
 def _steps(run: Path) -> list[dict]:

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from dist_common import dist_base_fixture, records  # noqa: F401 (fixtures)
 
 from ultratron.checkpoint.inference import load_for_inference
 from ultratron.config import load_config
+from ultratron.launch.local import processes_with
 from ultratron.training.metrics import read_metrics
 from ultratron.training.trainer import train
 
@@ -26,16 +26,7 @@ RUN = ["--training.steps", str(STEPS), "--checkpoint.interval", str(INTERVAL), "
 
 def _workers(marker: str, rank: int) -> list[int]:
     """PIDs of the first attempt's training processes of rank `rank` of the job tagged `marker`."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-        except OSError:
-            continue
-        if env.get("ULTRATRON_TEST_JOB") == marker and env.get("RANK") == str(rank) and \
-                env.get("TORCHELASTIC_RESTART_COUNT") == "0":
-            found.append(int(pid))
-    return found
+    return processes_with(ULTRATRON_TEST_JOB=marker, RANK=str(rank), TORCHELASTIC_RESTART_COUNT="0")
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,22 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
+from pathlib import Path
+
+
+def processes_with(**environment: str) -> list[int]:
+    """PIDs of this machine's processes whose environment holds every NAME=VALUE given (Linux's
+    /proc): how tests and benchmarks find one rank of a job they started, to kill it."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            text = Path(f"/proc/{pid}/environ").read_text(errors="replace")
+        except OSError:  # gone, or not ours to read
+            continue
+        env = dict(kv.split("=", 1) for kv in text.split("\0") if "=" in kv)
+        if all(env.get(name) == value for name, value in environment.items()):
+            found.append(int(pid))
+    return found
 
 
 def free_port() -> int:
