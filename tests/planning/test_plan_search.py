@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from ultratron.config import load_config
@@ -10,7 +12,6 @@ from ultratron.planning.memory import estimate_memory
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import SCHEDULES
 from ultratron.planning.search import (
-    LATENCY_INTRA_S,
     SearchSpec,
     enumerate_layouts,
     estimate_step,
@@ -83,14 +84,22 @@ def test_cost_model_terms_by_hand():
     est = estimate_step(spec, lay)
     efficiency = 0.6 * (8192 / (8192 + 256)) * (4096 / (4096 + 256))
     assert est.compute_s == pytest.approx(MILLION * flops_per_token / (8 * 989.4e12 * efficiency))
-    ring = 2 * 7 / 8 * counts.total * 2 / 450e9 + LATENCY_INTRA_S * counts.total * 2 / 25e6
-    assert est.dp_comm_s == pytest.approx(ring)
+    # DDP + ZeRO-1: fp32 gradients all-reduced in 25 MB buckets (all but the last hidden behind the last
+    # backward), then each of the 8 ranks broadcasts its updated fp32 share (exposed); 10 µs per call
+    grads = 4 * counts.total
+    buckets = math.ceil(grads / 25e6)
+    bucket = grads / buckets * 2 * 7 / 8 / 450e9 + 10e-6
+    broadcast = 8 * (grads / 8 / 450e9 + 10e-6)
+    assert est.dp_comm_s == pytest.approx(buckets * bucket + broadcast)
+    assert est.dp_exposed_s == pytest.approx(bucket + broadcast)
     assert est.step_s == pytest.approx(est.compute_s + est.dp_exposed_s)
     assert est.mfu == pytest.approx(MILLION / est.step_s / 8 * flops_per_token / 989.4e12)
     piped = estimate_step(spec_for("llama3-8b", 8), Layout(dp=2, zero=1, pp=4, micro_batch_size=1, grad_accum=64,
                                                             seq_len=8192, pp_schedule="interleaved-1f1b",
                                                             pp_virtual_stages=2))
-    pipelined = piped.compute_s + piped.tp_comm_s + piped.cp_exposed_s + piped.pp_comm_s
+    # FSDP's per-block gathers (zero 1 under pp runs as FSDP2) stretch each micro-batch, so the bubble too
+    gathers = sum(e for c, e in zip(piped.collectives, piped.exposed, strict=True) if c.op == "all-gather")
+    pipelined = piped.compute_s + piped.tp_comm_s + piped.cp_exposed_s + piped.pp_comm_s + gathers
     assert piped.bubble_s == pytest.approx(pipelined * 3 / (2 * 64))
 
 

@@ -32,6 +32,10 @@ class Accelerator:
     gpus_per_node: int
     source: str
     aliases: tuple[str, ...] = field(default=())
+    # One collective's fixed cost (s), inside a node and across: NCCL's small-message times, which
+    # no datasheet gives. Assumed typical figures; `ultratron bench comm` measures a cluster's own.
+    intra_node_latency: float = 10e-6
+    inter_node_latency: float = 30e-6
 
 
 def _flops(bf16: float, fp32: float, tf32: float, fp8: float | None = None) -> dict[str, float]:

@@ -41,20 +41,19 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ultratron.errors import UserError
-from ultratron.planning.experts import all_to_all_seconds, is_moe
+from ultratron.planning.comm import ATTENTION, COMPUTE, LAST_BACKWARD, Collective, Link, Network, step_collectives
+from ultratron.planning.experts import is_moe
 from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.hardware import Accelerator
 from ultratron.planning.layout import Layout, check_layout
 from ultratron.planning.memory import GiB, MemoryBreakdown, estimate_memory
 from ultratron.planning.params import count_params_of
-from ultratron.planning.pipeline import LOOPED, SCHEDULES, SINGLE
+from ultratron.planning.pipeline import LOOPED, SCHEDULES, SINGLE, stage_costs, stage_ranks, stage_split
 from ultratron.planning.pipeline import bubble_fraction as bubble_fraction_of
 from ultratron.planning.rules import layout_problems, pipeline_problems
 
 SELECTIVE_RECOMPUTE_OVERHEAD = 0.02
 MATMUL_HALF_SIZE = 256  # a matmul dimension of this size reaches half the large-matmul efficiency
-LATENCY_INTRA_S = 10e-6
-LATENCY_INTER_S = 30e-6
 
 
 @dataclass(frozen=True)
@@ -72,6 +71,7 @@ class SearchSpec:
     activation_model: str = "per-op"
     max_mbs: int = 16
     max_cp: int = 8
+    network: Network | None = None  # measured links (`bench comm`'s profile); None: the GPU's table figures
     # Layout fields the user fixed (`plan search --tp 8`): the search keeps the layouts it would
     # choose that have these values, and sets those it never varies (pp_split, dp_replicate, ...).
     fixed: dict = field(default_factory=dict)
@@ -97,6 +97,10 @@ class Estimate:
     mfu: float = 0.0
     reasons: list[str] = field(default_factory=list)
     ep_comm_s: float = 0.0
+    efficiency: float = 0.0  # the matmul efficiency the compute term assumed for this layout's shapes
+    stage_imbalance: float = 1.0  # slowest pipeline rank's FLOPs over the mean rank's
+    collectives: list[Collective] = field(default_factory=list)  # planning.comm.step_collectives
+    exposed: list[float] = field(default_factory=list)  # each collective's seconds on the critical path
 
     TIME_TERMS = ("compute_s", "tp_comm_s", "cp_exposed_s", "ep_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s",
                   "dp_exposed_s")
@@ -112,7 +116,9 @@ class Estimate:
             # step_seconds = compute + TP + CP exposed + EP all-to-all + PP p2p + bubble + DP exposed
             # (dp_comm_s: before overlap)
             "time": {term: getattr(self, term) for term in self.TIME_TERMS},
-            "reasons": self.reasons,
+            "reasons": self.reasons, "efficiency": self.efficiency, "stage_imbalance": self.stage_imbalance,
+            "collectives": [c.as_dict() | {"exposed_s": e} for c, e in zip(self.collectives, self.exposed,
+                                                                            strict=True)],
         }
 
 
@@ -136,15 +142,6 @@ def _divisors(n: int) -> list[int]:
 
 def _powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(0, int(math.log2(max(limit, 1))) + 1)]
-
-
-def _bandwidth(spec: SearchSpec, span: int) -> float:
-    """Per-GPU bandwidth for a group whose ranks spread over `span` consecutive GPUs."""
-    return spec.accelerator.intra_node_bw if span <= spec.gpus_per_node else spec.accelerator.inter_node_bw
-
-
-def _latency(spec: SearchSpec, span: int) -> float:
-    return LATENCY_INTRA_S if span <= spec.gpus_per_node else LATENCY_INTER_S
 
 
 def _size_factor(size: float) -> float:
@@ -207,6 +204,48 @@ def constrained_layouts(spec: SearchSpec):
                 yield layout
 
 
+def network_of(spec: SearchSpec) -> Network:
+    """The links the spec's cluster has: a measured profile (`spec.network`) or the GPU's table figures."""
+    if spec.network is not None:
+        return spec.network
+    acc = spec.accelerator
+    return Network(spec.gpus_per_node, Link(acc.intra_node_bw, acc.intra_node_latency),
+                   Link(acc.inter_node_bw, acc.inter_node_latency))
+
+
+def stage_imbalance(shape, layout: Layout) -> float:
+    """The slowest pipeline rank's training FLOPs over the mean rank's (1 without pp): the pipeline
+    runs at the slowest rank's pace, and the embedding / head stages are not the average ones."""
+    if layout.pp == 1:
+        return 1.0
+    embedding, layer, head = stage_costs(shape, "flops", layout.seq_len)
+    split = stage_split(shape, layout.pp, layout.pp_schedule, layout.pp_virtual_stages, layout.pp_balance,
+                        layout.seq_len, layout.pp_split)
+    costs = [n * layer for n in split]
+    costs[0] += embedding
+    costs[-1] += head
+    per_rank = [0.0] * layout.pp
+    for stage, rank in enumerate(stage_ranks(layout.pp_schedule, layout.pp, layout.pp_virtual_stages)):
+        per_rank[rank] += costs[stage]
+    return max(per_rank) / (sum(per_rank) / layout.pp)
+
+
+def exposure(collectives: list[Collective], budgets: dict[str, float]) -> list[float]:
+    """Seconds of each collective left on the critical path: those hidden by the same compute share
+    its budget (`budgets[hidden_by]`, seconds); what exceeds it, and each one's unhidden part, shows."""
+    exposed = [c.seconds for c in collectives]
+    for kind, budget in budgets.items():
+        group = [i for i, c in enumerate(collectives) if c.hidden_by == kind]
+        total = sum(collectives[i].seconds for i in group)
+        floor = sum(collectives[i].unhidden_s for i in group)
+        left = max(floor, total - budget)
+        for i in group:
+            c = collectives[i]
+            hideable = c.seconds - c.unhidden_s
+            exposed[i] = c.unhidden_s + ((left - floor) * hideable / (total - floor) if total > floor else 0.0)
+    return exposed
+
+
 def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | None = None) -> Estimate:
     """Peak memory, step time, tokens/s/GPU and MFU of one layout under the cost model in the module
     docstring: the one function `plan estimate` prints and `plan search` ranks by."""
@@ -220,60 +259,33 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     micro_tokens = layout.micro_batch_size * layout.seq_len / layout.cp
     h = shape.dim
     efficiency = spec.efficiency * _size_factor(micro_tokens) * _size_factor(h / layout.tp)
-    compute = tokens * model_flops_per_token * hardware_factor / (spec.n_gpus * peak * efficiency)
+    imbalance = stage_imbalance(shape, layout)
+    compute = tokens * model_flops_per_token * hardware_factor * imbalance / (spec.n_gpus * peak * efficiency)
     m = layout.grad_accum
     per_micro = compute / m
-    p = layout.compute_bytes
-    layers = shape.n_layers / layout.pp
-    kv = shape.n_kv_heads * (shape.dim // shape.n_heads)
 
-    tp_comm = 0.0
-    if layout.tp > 1:
-        collectives = 6 if layout.recompute == "full" else 4
-        volume = 2 * (layout.tp - 1) / layout.tp * p * micro_tokens * h
-        tp_comm = m * layers * collectives * (volume / acc.intra_node_bw + LATENCY_INTRA_S)
-    cp_exposed = 0.0
-    if layout.cp > 1:
-        span = layout.tp * layout.cp
-        hops = 3 * (layout.cp - 1)
-        chunk = p * micro_tokens * 2 * kv / layout.tp
-        ring_s = m * layers * hops * (chunk / _bandwidth(spec, span) + _latency(spec, span))
-        attention_share = 12 * shape.n_layers * h * layout.seq_len / model_flops_per_token
-        cp_exposed = max(0.0, ring_s - spec.overlap * compute * attention_share)
-    ep_span = layout.tp * layout.cp * layout.ep
-    ep_comm = m * all_to_all_seconds(shape, micro_tokens, p, layout.ep, layers, _bandwidth(spec, ep_span),
-                                     _latency(spec, ep_span), layout.recompute)
-    pp_comm = 0.0
-    if layout.pp > 1:
-        span = 2 * layout.tp * layout.cp * layout.dp  # two neighbouring stages
-        sends = m * layout.stages_per_rank * 2
-        pp_comm = sends * (p * micro_tokens * h / _bandwidth(spec, span) + _latency(spec, span))
+    collectives = step_collectives(shape, layout, memory, network_of(spec))
+    attention_share = 12 * shape.n_layers * h * layout.seq_len / model_flops_per_token
+    budgets = {LAST_BACKWARD: spec.overlap * per_micro * 2 / 3, COMPUTE: spec.overlap * compute,
+               ATTENTION: spec.overlap * compute * attention_share}
+    exposed = exposure(collectives, budgets)
+    by_axis = {axis: sum(e for c, e in zip(collectives, exposed, strict=True) if c.axis == axis)
+               for axis in ("tp", "cp", "ep", "pp")}
+    # gathers that run inside each micro-batch stretch the pipelined part; the reductions come after it
+    dp_inside = sum(e for c, e in zip(collectives, exposed, strict=True) if c.axis == "dp" and c.hidden_by == COMPUTE)
+    dp_after = sum(e for c, e in zip(collectives, exposed, strict=True) if c.axis == "dp" and c.hidden_by != COMPUTE)
+    dp_comm = sum(c.seconds for c in collectives if c.axis == "dp")
     # the schedule's published bubble (planning.pipeline.bubble_fraction; measured: docs/parallel.md)
     bubble_fraction = bubble_fraction_of(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, m)
-    pipelined = compute + tp_comm + cp_exposed + pp_comm + ep_comm
+    pipelined = compute + sum(by_axis.values()) + dp_inside
     bubble = pipelined * bubble_fraction
-
-    group = layout.dp * layout.cp
-    dp_comm = dp_exposed = 0.0
-    if group > 1:
-        params = memory.extra["params_on_gpu"]
-        grad_bytes = 4 if (layout.precision == "fp32" or layout.fp32_grad_accum) else 2
-        span = layout.tp * group
-        link, latency = _bandwidth(spec, span), _latency(spec, span)
-        ring = (group - 1) / group
-        if layout.zero < 3:  # bucketed: one collective per ~25 MB bucket
-            dp_comm = 2 * ring * params * grad_bytes / link + latency * params * grad_bytes / 25e6
-            dp_exposed = max(0.0, dp_comm - spec.overlap * per_micro * 2 / 3)
-        else:  # per layer: gather for forward, gather for backward, reduce-scatter
-            # (split experts stay on their ranks: only their gradients are all-reduced, once per step)
-            experts = memory.extra.get("expert_params_on_gpu", 0.0)
-            dp_comm = m * (ring * (params - experts) * (2 * p + grad_bytes) / link + 3 * layers * latency)
-            dp_comm += 2 * ring * experts * grad_bytes / link
-            dp_exposed = max(0.0, dp_comm - spec.overlap * compute)
-    step = pipelined + bubble + dp_exposed
+    step = pipelined + bubble + dp_after
     tokens_per_s_per_gpu = tokens / step / spec.n_gpus
-    est = Estimate(layout, memory, compute, tp_comm, cp_exposed, pp_comm, bubble, dp_comm, dp_exposed, step,
-                   tokens_per_s_per_gpu, tokens_per_s_per_gpu * model_flops_per_token / peak, ep_comm_s=ep_comm)
+    est = Estimate(layout, memory, compute, by_axis["tp"], by_axis["cp"], by_axis["pp"], bubble, dp_comm,
+                   dp_inside + dp_after, step, tokens_per_s_per_gpu,
+                   tokens_per_s_per_gpu * model_flops_per_token / peak,
+                   ep_comm_s=by_axis["ep"], efficiency=efficiency, stage_imbalance=imbalance,
+                   collectives=collectives, exposed=exposed)
     est.reasons = _reasons(spec, est, bubble_fraction)
     return est
 
