@@ -7,7 +7,9 @@ import pytest
 
 from ultratron.cli import main
 from ultratron.models.presets import PRESETS
+from ultratron.planning.compute import compute_efficiency
 from ultratron.planning.flops import flops_per_token_of
+from ultratron.planning.layout import Layout
 from ultratron.planning.memory import MemoryBreakdown
 
 H100_BF16 = 989.4e12
@@ -38,8 +40,10 @@ def test_estimate_json_has_the_numbers_and_their_terms(capsys):
     flops = flops_per_token_of(shape, 8192)
     assert data["mfu"] == pytest.approx(data["tokens_per_sec_per_gpu"] * flops / H100_BF16)
     # compute by hand: global tokens × FLOPs/token × 1.02 (selective recompute) over 8 GPUs at the peak
-    # times the efficiency, which shrinks for small matmuls: T/(T + 256) · h/(h + 256)
-    efficiency = 0.6 * 8192 / (8192 + 256) * 4096 / (4096 + 256)
+    # times the efficiency of this layout's matmul and attention shapes (planning.compute)
+    efficiency = compute_efficiency(shape, Layout(dp=8, zero=2, seq_len=8192, grad_accum=16, recompute="selective"),
+                                    H100_BF16, 3.35e12)
+    assert data["compute_efficiency"] == pytest.approx(efficiency)
     assert time["compute_s"] == pytest.approx(data["batch_tokens"] * flops * 1.02 / (8 * H100_BF16 * efficiency))
     assert data["fits"] is (data["peak_bytes"] <= data["usable_bytes"])
     assert memory["extra"]["data_parallel"] == "fsdp"

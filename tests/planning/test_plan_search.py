@@ -6,6 +6,7 @@ from ultratron.config import load_config
 from ultratron.config.layouts import config_toml
 from ultratron.errors import UserError
 from ultratron.models.presets import PRESETS
+from ultratron.planning.compute import compute_efficiency
 from ultratron.planning.hardware import get_accelerator
 from ultratron.planning.layout import Layout
 from ultratron.planning.memory import estimate_memory
@@ -37,9 +38,10 @@ def test_llama3_8b_on_8_gpus_finds_a_fitting_layout_with_reasons():
     assert best.memory.peak_bytes <= spec.usable_bytes
     assert best.reasons[0].startswith("fits: ")
     assert any(r.startswith("step ") for r in best.reasons)
-    assert 0.3 < best.mfu < spec.efficiency
+    assert 0.3 < best.mfu < 0.8  # attention (seq 8192) runs above the matmuls: planning.compute
     speeds = [e.tokens_per_s_per_gpu for e in result.ranked]
-    assert speeds == sorted(speeds, reverse=True) or max(speeds) / min(speeds) < 1.005
+    # fastest first, except that within 0.5 % of each other the simpler layout goes first
+    assert all(later < earlier * 1.005 for earlier, later in zip(speeds, speeds[1:], strict=False))
     assert "best:" in result.summary[-1]
 
 
@@ -82,7 +84,7 @@ def test_cost_model_terms_by_hand():
     flops_per_token = 6 * (counts.layers + shape.vocab_size * shape.dim) + 12 * 32 * 4096 * 8192
     lay = Layout(dp=8, zero=1, micro_batch_size=1, grad_accum=16, seq_len=8192)
     est = estimate_step(spec, lay)
-    efficiency = 0.6 * (8192 / (8192 + 256)) * (4096 / (4096 + 256))
+    efficiency = compute_efficiency(shape, lay, 989.4e12, H100.memory_bw)  # (by hand: test_plan_compute.py)
     assert est.compute_s == pytest.approx(MILLION * flops_per_token / (8 * 989.4e12 * efficiency))
     # DDP + ZeRO-1: fp32 gradients all-reduced in 25 MB buckets (all but the last hidden behind the last
     # backward), then each of the 8 ranks broadcasts its updated fp32 share (exposed); 10 µs per call

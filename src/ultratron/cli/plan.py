@@ -30,6 +30,7 @@ from ultratron.errors import UserError
 from ultratron.fields import MISSING, field_problems
 from ultratron.models.presets import PRESETS, ModelShape
 from ultratron.planning import hardware
+from ultratron.planning.compute import MATMUL_EFFICIENCY
 from ultratron.planning.layout import Layout
 from ultratron.planning.memory import ACTIVATION_MODELS, GiB, MemoryBreakdown, estimate_memory_per_rank
 from ultratron.planning.params import count_params_of
@@ -88,7 +89,9 @@ def _hardware_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", default="h100-sxm", help=f"GPU type: {', '.join(hardware.ACCELERATORS)}")
     parser.add_argument("--gpus-per-node", type=int, help="default: the GPU type's usual node (8)")
     parser.add_argument("--headroom", type=float, default=0.10, help="fraction of memory left free (default 0.1)")
-    parser.add_argument("--efficiency", type=float, default=0.6, help="large-matmul fraction of peak (default 0.6)")
+    parser.add_argument("--efficiency", type=float, default=MATMUL_EFFICIENCY,
+                        help=f"large-matmul fraction of peak (default {MATMUL_EFFICIENCY}, measured: "
+                             "planning/compute.py); small per-rank matmuls and short attention run below it")
 
 
 def run(args) -> int:

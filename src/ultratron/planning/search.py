@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 
 from ultratron.errors import UserError
 from ultratron.planning.comm import ATTENTION, COMPUTE, LAST_BACKWARD, Collective, Link, Network, step_collectives
+from ultratron.planning.compute import MATMUL_EFFICIENCY, compute_efficiency
 from ultratron.planning.experts import is_moe
 from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.hardware import Accelerator
@@ -53,7 +54,6 @@ from ultratron.planning.pipeline import bubble_fraction as bubble_fraction_of
 from ultratron.planning.rules import layout_problems, pipeline_problems
 
 SELECTIVE_RECOMPUTE_OVERHEAD = 0.02
-MATMUL_HALF_SIZE = 256  # a matmul dimension of this size reaches half the large-matmul efficiency
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class SearchSpec:
     seq_len: int
     precision: str = "bf16"
     headroom: float = 0.10  # fraction of GPU memory left free (allocator fragmentation, CUDA context)
-    efficiency: float = 0.6  # fraction of the dense peak large matmuls reach
+    efficiency: float = MATMUL_EFFICIENCY  # fraction of the dense peak large matmuls reach (planning.compute)
     overlap: float = 0.8  # fraction of overlappable communication the compute hides
     activation_model: str = "per-op"
     max_mbs: int = 16
@@ -116,7 +116,7 @@ class Estimate:
             # step_seconds = compute + TP + CP exposed + EP all-to-all + PP p2p + bubble + DP exposed
             # (dp_comm_s: before overlap)
             "time": {term: getattr(self, term) for term in self.TIME_TERMS},
-            "reasons": self.reasons, "efficiency": self.efficiency, "stage_imbalance": self.stage_imbalance,
+            "reasons": self.reasons, "compute_efficiency": self.efficiency, "stage_imbalance": self.stage_imbalance,
             "collectives": [c.as_dict() | {"exposed_s": e} for c, e in zip(self.collectives, self.exposed,
                                                                             strict=True)],
         }
@@ -142,10 +142,6 @@ def _divisors(n: int) -> list[int]:
 
 def _powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(0, int(math.log2(max(limit, 1))) + 1)]
-
-
-def _size_factor(size: float) -> float:
-    return size / (size + MATMUL_HALF_SIZE)
 
 
 def enumerate_layouts(spec: SearchSpec):
@@ -256,9 +252,8 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     hardware_factor = {"none": 1.0, "selective": 1.0 + SELECTIVE_RECOMPUTE_OVERHEAD, "full": 4 / 3}[
         layout.recompute]
     tokens = spec.global_batch_tokens
-    micro_tokens = layout.micro_batch_size * layout.seq_len / layout.cp
     h = shape.dim
-    efficiency = spec.efficiency * _size_factor(micro_tokens) * _size_factor(h / layout.tp)
+    efficiency = compute_efficiency(shape, layout, peak, acc.memory_bw, spec.efficiency)
     imbalance = stage_imbalance(shape, layout)
     compute = tokens * model_flops_per_token * hardware_factor * imbalance / (spec.n_gpus * peak * efficiency)
     m = layout.grad_accum
