@@ -71,6 +71,7 @@ class SearchSpec:
     activation_model: str = "per-op"
     max_mbs: int = 16
     max_cp: int = 8
+    max_tp: int = 0  # largest tensor-parallel degree tried (0: the node's GPUs; search widens it when it must)
     network: Network | None = None  # measured links (`bench comm`'s profile); None: the GPU's table figures
     # Layout fields the user fixed (`plan search --tp 8`): the search keeps the layouts it would
     # choose that have these values, and sets those it never varies (pp_split, dp_replicate, ...).
@@ -149,7 +150,7 @@ def enumerate_layouts(spec: SearchSpec):
     shape = spec.shape
     n, node = spec.n_gpus, spec.gpus_per_node
     sequences = spec.global_batch_tokens // spec.seq_len
-    for tp in _powers_of_two(node):
+    for tp in _powers_of_two(spec.max_tp or node):
         if n % tp or layout_problems(shape, tp=tp):
             continue
         for cp in _powers_of_two(spec.max_cp):
@@ -297,7 +298,7 @@ def _reasons(spec: SearchSpec, est: Estimate, bubble_fraction: float) -> list[st
         f"+ PP p2p {est.pp_comm_s:.2f} + bubble {est.bubble_s:.2f} ({bubble_fraction:.0%}) "
         f"+ DP exposed {est.dp_exposed_s:.2f} (of {est.dp_comm_s:.2f})",
     ]
-    overheads = {"tensor-parallel all-reduces": est.tp_comm_s, "context-parallel ring": est.cp_exposed_s,
+    overheads = {"tensor-parallel collectives": est.tp_comm_s, "context-parallel ring": est.cp_exposed_s,
                  "expert-parallel all-to-all": est.ep_comm_s,
                  "pipeline bubble": est.bubble_s + est.pp_comm_s, "data-parallel sync": est.dp_exposed_s}
     worst, worst_s = max(overheads.items(), key=lambda kv: kv[1])
@@ -320,7 +321,7 @@ def _reasons(spec: SearchSpec, est: Estimate, bubble_fraction: float) -> list[st
         refused = check_layout(spec.shape, lower)  # (HSDP needs ZeRO 2 or 3)
         need = 0.0 if refused else estimate_memory(spec.shape, lower, spec.activation_model).peak_bytes
         why = (f"the trainer refuses it: {refused[0]}" if refused else f"would need {need / GiB:.1f} GiB: "
-               + ("does not fit" if need > spec.usable_bytes else "fits too; the step time is the same"))
+               + ("does not fit" if need > spec.usable_bytes else "fits too"))
         reasons.append(f"ZeRO-{lay.zero} shards {sharded} over {lay.shard_group} ranks (ZeRO-{lay.zero - 1} {why})")
     return reasons
 
@@ -344,10 +345,67 @@ def search(spec: SearchSpec, top: int = 5) -> SearchResult:
         problems.append(f"no {spec.precision} peak for {spec.accelerator.name}")
     if problems:
         raise UserError(problems)
+    fitting, considered, too_big, closest = _evaluate(spec)
+    inside = considered  # layouts with every tensor-parallel group inside a node
+    across = False
+    if not fitting and spec.n_gpus > spec.gpus_per_node and "tp" not in spec.fixed:
+        # nothing fits with tensor parallelism inside a node: try groups that span nodes (slow: the network)
+        wide = replace(spec, max_tp=spec.n_gpus)
+        fitting, more, more_big, wide_closest = _evaluate(wide, lambda lay: lay.tp > spec.gpus_per_node)
+        considered, too_big, across = considered + more, too_big + more_big, bool(fitting)
+        if wide_closest and (closest is None or wide_closest[0] < closest[0]):
+            closest = wide_closest
+    fastest = max((e.tokens_per_s_per_gpu for e in fitting), default=1.0)
+    # Within 0.5 % of each other the model cannot tell layouts apart: prefer fewer moving parts.
+    fitting.sort(key=lambda e: (-math.floor(e.tokens_per_s_per_gpu / fastest * 200), _complexity(e.layout),
+                                e.memory.peak_bytes))
+    closest_est = estimate_step(spec, closest[1], closest[2]) if closest else None
+    summary = _summary(spec, fitting, considered, too_big, closest_est)
+    if across:
+        cause = "memory forces" if inside else "the fixed fields force"
+        summary.append(f"{cause} tensor parallelism across nodes: no layout with tp ≤ {spec.gpus_per_node} (one node) "
+                       + (f"fits ({inside} tried)" if inside else "is left") + f", so tp={fitting[0].layout.tp} runs "
+                       "its per-layer collectives over the network")
+    else:
+        # against the fastest layout that splits the work otherwise (not only another ZeRO stage)
+        degrees = lambda lay: (lay.tp, lay.pp, lay.cp, lay.ep, lay.micro_batch_size, lay.recompute,  # noqa: E731
+                               lay.pp_schedule, lay.stages_per_rank)
+        other = next((e for e in fitting[1:] if degrees(e.layout) != degrees(fitting[0].layout)), None)
+        if other is not None:
+            summary.append(why_first(fitting[0], other))
+    return SearchResult(spec, fitting[:top] if top else fitting, considered, too_big, closest_est, summary)
+
+
+def step_terms(est: Estimate) -> dict[str, float]:
+    """The step's parts by name (seconds on the critical path): they add up to `step_s`."""
+    return {"compute": est.compute_s, "tensor-parallel collectives": est.tp_comm_s,
+            "context-parallel ring": est.cp_exposed_s, "expert all-to-all": est.ep_comm_s,
+            "pipeline transfers": est.pp_comm_s, "pipeline bubble": est.bubble_s,
+            "data-parallel sync": est.dp_exposed_s}
+
+
+def why_first(best: Estimate, other: Estimate) -> str:
+    """One line: how much faster the winner is than the next layout and which parts of the step make it."""
+    gains = {name: other_s - best_s for (name, best_s), other_s in
+             zip(step_terms(best).items(), step_terms(other).values(), strict=True)}
+    top = sorted((kv for kv in gains.items() if abs(kv[1]) > 1e-3 * best.step_s), key=lambda kv: -abs(kv[1]))[:3]
+    faster = other.step_s / best.step_s - 1
+    parts = ", ".join(f"{name} {'−' if gain > 0 else '+'}{abs(gain) * 1e3:.0f} ms" for name, gain in top)
+    if faster < 0.005:
+        return (f"why #1: as fast as the next other split ({other.layout.describe()}) within the model's "
+                "resolution (0.5 %); it has fewer moving parts" + (f" ({parts})" if parts else ""))
+    return (f"why #1: {faster:.1%} faster than the next other split ({other.layout.describe()}): "
+            + (parts or "the same parts"))
+
+
+def _evaluate(spec: SearchSpec, keep=None):
+    """(fitting estimates, layouts considered, too big, the smallest peak among those too big)."""
     fitting: list[Estimate] = []
     considered = too_big = 0
     closest: tuple[float, Layout, MemoryBreakdown] | None = None
     for layout in constrained_layouts(spec):
+        if keep is not None and not keep(layout):
+            continue
         considered += 1
         memory = estimate_memory(spec.shape, layout, spec.activation_model)
         if memory.peak_bytes > spec.usable_bytes:
@@ -356,13 +414,7 @@ def search(spec: SearchSpec, top: int = 5) -> SearchResult:
                 closest = (memory.peak_bytes, layout, memory)
             continue
         fitting.append(estimate_step(spec, layout, memory))
-    fastest = max((e.tokens_per_s_per_gpu for e in fitting), default=1.0)
-    # Within 0.5 % of each other the model cannot tell layouts apart: prefer fewer moving parts.
-    fitting.sort(key=lambda e: (-math.floor(e.tokens_per_s_per_gpu / fastest * 200), _complexity(e.layout),
-                                e.memory.peak_bytes))
-    closest_est = estimate_step(spec, closest[1], closest[2]) if closest else None
-    summary = _summary(spec, fitting, considered, too_big, closest_est)
-    return SearchResult(spec, fitting[:top] if top else fitting, considered, too_big, closest_est, summary)
+    return fitting, considered, too_big, closest
 
 
 def _summary(spec: SearchSpec, fitting: list[Estimate], considered: int, too_big: int,
