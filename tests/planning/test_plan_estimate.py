@@ -2,6 +2,7 @@
 terms behind them; `plan search` ranks layouts with the same function (`search.estimate_step`)."""
 
 import json
+import re
 
 import pytest
 
@@ -70,3 +71,34 @@ def test_estimate_refuses_sweeps_and_bad_layouts(capsys):
     assert code == 2 and "tp=3 does not divide n_heads=32" in err and "--efficiency must lie in (0, 1]" in err
     code, out, _ = plan(capsys, "estimate", "--model", "llama3-70b", "--seq", "8192")
     assert code == 0 and "does NOT fit" in out  # a 70B model on one GPU: an estimate, and the verdict
+
+
+def test_estimate_prints_the_step_as_a_table_whose_parts_add_up(capsys):
+    code, out, _ = plan(capsys, "estimate", "--model", "llama3-70b", "--dp", "8", "--tp", "8", "--sp", "--pp", "4",
+                        "--zero", "1", "--seq", "8192", "--grad-acc", "16")
+    assert code == 0
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("term"))
+    rows = {line.split("  ")[0].strip(): line for line in lines[header + 2:] if line and not line.startswith("   -")}
+    assert {"compute", "tp all-gather", "tp reduce-scatter", "pp p2p", "dp all-gather", "pipeline bubble",
+            "step"} <= set(rows)
+    assert "(nodes)" in rows["pp p2p"] and "(nodes)" not in rows["tp all-gather"]  # stages 64 ranks apart
+    # FSDP's gathers: their time, and the part the compute does not hide (the first block's of each micro-batch)
+    ms = lambda text: float(text.split()[0]) * (1e-3 if text.endswith("ms") else 1)  # noqa: E731
+    total, shown = re.search(r"([\d.]+ m?s), hidden by compute +([\d.]+ m?s)", rows["dp all-gather"]).groups()
+    assert 0 < ms(shown) < ms(total)
+    shares = [float(line.split()[-1].rstrip("%")) for name, line in rows.items() if name != "step"]
+    assert sum(shares) == pytest.approx(100, abs=0.1 * len(shares))  # each share rounded to 0.1 %
+
+
+def test_custom_gpu_and_figure_overrides(capsys):
+    base = ("--model", "llama3-8b", "--dp", "16", "--zero", "3", "--seq", "4096", "--json")
+    code, _, err = plan(capsys, "estimate", *base, "--gpu", "custom", "--peak-tflops", "500")
+    assert code == 2 and "--gpu custom needs --memory-gib, --nvlink-gbs, --network-gbs" in err
+    custom = estimate_json(capsys, *base, "--gpu", "custom", "--peak-tflops", "500", "--memory-gib", "80",
+                           "--nvlink-gbs", "450", "--network-gbs", "50", "--gpus-per-node", "8")
+    h100 = estimate_json(capsys, *base, "--gpu", "h100-sxm", "--peak-tflops", "500")
+    assert custom["gpu"] == "custom" and custom["time"]["compute_s"] == pytest.approx(h100["time"]["compute_s"])
+    slow = estimate_json(capsys, *base, "--gpu", "h100-sxm", "--network-gbs", "5")  # dp=16 spans two nodes
+    fast = estimate_json(capsys, *base, "--gpu", "h100-sxm")
+    assert slow["time"]["dp_comm_s"] > 5 * fast["time"]["dp_comm_s"]

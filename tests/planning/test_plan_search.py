@@ -1,4 +1,6 @@
+import dataclasses
 import math
+import re
 
 import pytest
 
@@ -44,7 +46,9 @@ def test_llama3_8b_on_8_gpus_finds_a_fitting_layout_with_reasons():
     assert all(later < earlier * 1.005 for earlier, later in zip(speeds, speeds[1:], strict=False))
     assert "best:" in result.summary[1]
     # why the winner wins: against the fastest layout that splits the work otherwise, by the step's parts
-    assert result.summary[2].startswith("why #1: ") and "faster than the next other split" in result.summary[2]
+    why = result.summary[2]
+    assert why.startswith("why #1: ") and "faster than the next other split" in why
+    assert re.search(r"\): [a-z -]+ [−+]\d+ ms", why)  # the parts of the step that differ most, with their gain
 
 
 def test_llama3_70b_on_8_gpus_says_nothing_fits_and_why():
@@ -160,3 +164,22 @@ def test_fixed_layout_fields_are_kept_and_the_rest_searched(tmp_path):
     assert hsdp.ranked and all(e.layout.zero >= 2 for e in hsdp.ranked)  # HSDP's rule: the others dropped
     none = search(spec_for("llama3-8b", 8, fixed={"tp": 3}))
     assert none.best is None and "no layout for these GPUs and this batch has tp=3" in none.summary[-1]
+
+
+def test_tensor_parallel_groups_stay_in_a_node_unless_nothing_else_is_left():
+    # an 80B model (Llama-3-70B deepened to 90 layers, 16 kv heads so that tp=16 is possible) on 64 nodes
+    # of 8: the winner's tp group is inside a node; a tp=16 layout pays the network and is slower
+    shape = dataclasses.replace(PRESETS["llama3-70b"], n_layers=90, n_kv_heads=16)
+    assert 79e9 < count_params_of(shape).total < 82e9
+    spec = SearchSpec(shape, H100, 512, 8, 4 * MILLION, 8192, fixed={"pp": 1, "cp": 1})
+    result = search(spec, top=3)
+    assert result.best.layout.tp <= 8
+    assert not any("across nodes" in line for line in result.summary)
+    wide = estimate_step(spec, Layout(dp=32, tp=16, sp=True, zero=3, micro_batch_size=1, grad_accum=16, seq_len=8192))
+    tp = [c for c in wide.collectives if c.axis == "tp"]
+    assert tp and all(c.spans_nodes for c in tp) and wide.step_s > 1.5 * result.best.step_s
+    # when the fixed fields leave no layout inside a node, search widens tp and says why
+    small = dataclasses.replace(PRESETS["llama3-8b"], n_kv_heads=16)
+    forced = search(SearchSpec(small, H100, 16, 8, MILLION // 4, 4096, fixed={"dp": 1, "cp": 1, "pp": 1}))
+    assert forced.best.layout.tp == 16
+    assert "the fixed fields force tensor parallelism across nodes" in forced.summary[-1]
