@@ -82,9 +82,11 @@ def layer_matmuls(shape, tokens: float, tp: int, ep: int = 1) -> list[tuple[floa
     return out
 
 
-def compute_efficiency(shape, layout, peak: float, hbm: float, efficiency: float = MATMUL_EFFICIENCY) -> float:
+def compute_efficiency(shape, layout, peak: float, hbm: float, efficiency: float = MATMUL_EFFICIENCY,
+                       attention_table: bool = True) -> float:
     """The fraction of the dense peak a rank's training compute of this layout runs at: FLOPs of
-    its matmuls and attention over their modelled time (module docstring), for one micro-batch."""
+    its matmuls and attention over their modelled time (module docstring), for one micro-batch.
+    `attention_table` False: attention at the large-matmul rate (a device the table is not from)."""
     tokens = layout.micro_batch_size * layout.seq_len / layout.cp
     p = layout.compute_bytes
     flops = seconds = 0.0
@@ -96,5 +98,6 @@ def compute_efficiency(shape, layout, peak: float, hbm: float, efficiency: float
     # attention: 12·s·h per token per layer (as flops.py counts it), split over tp's heads
     attention = 12 * shape.n_layers * shape.n_heads * head_dim_of(shape) * layout.seq_len * tokens / layout.tp
     flops += attention
-    seconds += attention / (attention_efficiency(layout.seq_len / layout.cp) * efficiency / MATMUL_EFFICIENCY * peak)
+    rate = attention_efficiency(layout.seq_len / layout.cp) / MATMUL_EFFICIENCY if attention_table else 1.0
+    seconds += attention / (rate * efficiency * peak)
     return flops / seconds / peak

@@ -37,6 +37,9 @@ class Accelerator:
     intra_node_latency: float = 10e-6
     inter_node_latency: float = 30e-6
     memory_bw: float = 3.35e12  # HBM bytes/s (datasheet): what memory-bound small matmuls run at
+    # attention at the rates measured on an H200 by sequence (planning.compute); False: at the matmul
+    # rate (a measured profile of another device, a CPU, where that table does not apply)
+    attention_table: bool = True
 
 
 def _flops(bf16: float, fp32: float, tf32: float, fp8: float | None = None) -> dict[str, float]:

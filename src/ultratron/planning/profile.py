@@ -109,4 +109,4 @@ def accelerator_of_profile(profile: dict, memory_gib: float) -> Accelerator:
                        net.inter.bandwidth, profile.get("gpus_per_node", 8),
                        f"measured by ultratron bench comm ({profile.get('backend')}, {profile.get('world_size')} "
                        f"ranks)", intra_node_latency=net.intra.latency, inter_node_latency=net.inter.latency,
-                       memory_bw=profile.get("memory_bw", 3.35e12))
+                       memory_bw=profile.get("memory_bw", 3.35e12), attention_table=False)

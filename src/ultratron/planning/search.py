@@ -254,7 +254,7 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
         layout.recompute]
     tokens = spec.global_batch_tokens
     h = shape.dim
-    efficiency = compute_efficiency(shape, layout, peak, acc.memory_bw, spec.efficiency)
+    efficiency = compute_efficiency(shape, layout, peak, acc.memory_bw, spec.efficiency, acc.attention_table)
     imbalance = stage_imbalance(shape, layout)
     compute = tokens * model_flops_per_token * hardware_factor * imbalance / (spec.n_gpus * peak * efficiency)
     m = layout.grad_accum
