@@ -138,3 +138,14 @@ def test_stage_imbalance_and_the_step_by_hand():
     assert est.step_s == pytest.approx(pipelined + est.bubble_s + exposed["after"])
     assert est.pp_comm_s == pytest.approx(exposed["pp"]) and exposed["pp"] > 0
     assert network_of(spec) == NET  # the GPU's table figures when no profile is given
+
+
+def test_interleaving_sends_at_every_stage_boundary_of_the_rank():
+    lay = Layout(dp=2, pp=4, pp_schedule="interleaved-1f1b", pp_virtual_stages=2, grad_accum=8, seq_len=4096)
+    stages = estimate_memory(SHAPE, lay).extra["stages"]  # rank r runs stages r and r + 4 of 0..7
+    rank = stages[0]
+    assert stages == [rank, rank + 4]
+    # a boundary to a neighbouring stage on another rank: stage s talks to s − 1 and s + 1 when they exist
+    by_hand = sum((s > 0) + (s < 7) for s in stages)
+    assert only(collectives(lay), "pp", "p2p").calls == 8 * by_hand
+    assert by_hand >= 3  # against 1 or 2 for one stage per rank: interleaving's extra transfers
