@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 from ultratron.models.presets import PRESETS
+from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.hardware import get_accelerator
 from ultratron.planning.layout import Layout
 from ultratron.planning.profile import accelerator_of_profile, load_profile, network_of_profile, profile_note
@@ -72,6 +74,29 @@ def predict_local(profile: dict, cell_dir: Path) -> tuple[Layout, float, object]
     return cfg.layout, est.step_s, est
 
 
+def single_process(out: Path, sweep: Path, cells: list[Path]) -> tuple:
+    """The compute term alone: one process (no collectives, no core shared with another rank) training
+    one dp rank's share of dp4's batch, against the planner at the matmul rate measured alone."""
+    import torch
+
+    from ultratron.bench.comm import matmul_rate
+    from ultratron.config import load_config
+
+    torch.set_num_threads(1)
+    rate = matmul_rate(torch.device("cpu"), torch.float32, 1024, 5)
+    cell = next(c for c in cells if _matches(c, LOCAL["dp4"]))
+    run = out / "single"
+    shutil.rmtree(run, ignore_errors=True)  # a fresh run, not a resumed one
+    ultratron("train", "--config", str(cell / "config.toml"), "--parallel.dp", "1", "--training.batch_tokens", "2048",
+              "--training.threads", "1", "--run.dir", str(run))
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    measured = sorted(r["step_time"] for r in steps[1:])[len(steps[1:]) // 2]
+    cfg = load_config(cell / "config.toml")
+    flops = 2048 * flops_per_token_of(cfg.model, cfg.training.seq_len)
+    return ("local dp1, one process alone (step s)", measured, flops / rate,
+            f"compute at the matmul rate measured alone, {rate / 1e9:.1f} GFLOP/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="plan-vs-measured", help="work directory (profile, sweep)")
@@ -101,6 +126,7 @@ def main() -> None:
             measured = measured_steps(cell)
             parts = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in _parts(est).items() if v > 0.01 * est.step_s)
             rows.append((f"local {name} (step s)", measured, predicted, parts))
+        rows.append(single_process(out, sweep, cells))
         note = profile_note(profile)
         if note:
             print(f"note: {note}")
