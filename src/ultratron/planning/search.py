@@ -1,36 +1,18 @@
 """Search for the fastest parallel layout that fits: enumerate, check memory, estimate step time, rank.
 
-Cost model (per optimizer step, every GPU busy in lock-step; constants are the `SearchSpec` fields):
-  compute   global tokens × training FLOPs/token (flops.py) ÷ (GPUs × dense peak × efficiency),
-            where efficiency = `efficiency` (what large matmuls reach) × T/(T+256) × w/(w+256)
-            for the local matmul sizes (T = tokens of a micro-batch on the GPU, w = dim/tp): small
-            matmuls run far below peak, which is what makes over-splitting slow. Full recompute
-            adds one forward (+1/3), selective 2 % (its recomputed norms and SwiGLU products are
-            memory-bound elementwise work, no matmuls).
-  TP        per layer and micro-batch 4 all-reduces (2 forward, 2 backward; 6 with full recompute)
-            of p·T·h bytes, each moving 2(t−1)/t of it over the intra-node link; not overlapped.
-            (With SP: 4 all-gathers + 4 reduce-scatters, the same bytes.)
-  EP        a mixture of experts' all-to-all (planning.experts.all_to_all_seconds): per MoE layer and
-            micro-batch the rank's k·T routed slots of p·h bytes go to their experts and back, in
-            forward and backward, (ep−1)/ep of them off the rank, over the link the ep group spans
-            (ep ranks are neighbouring data-parallel ranks); not overlapped. FLOPs count the active
-            parameters only (flops.py), so a MoE layout's MFU is against its active compute.
-  CP        ring attention passes K and V (p·T·2kv/t) cp−1 times forward and twice that backward,
-            hidden behind the attention's own compute up to the overlap fraction.
-  PP        each micro-batch sends its activations forward and gradients back (p·T·h each, once per
-            stage a rank runs), not overlapped; the bubble stretches the pipelined part by the
-            schedule's published fraction (planning.pipeline.bubble_fraction: (p−1)/m for GPipe and
-            1F1B, (p−1)/(v·m) interleaved, a third of that for the zero-bubble and V schedules).
-            The stage split, placement and rules are the trainer's (planning.pipeline, rules).
-  DP/ZeRO   ZeRO-0/1/2: one all-reduce (or reduce-scatter + all-gather) of the gradients per step,
-            2(n−1)/n × params × grad bytes, overlapped with the last micro-batch's backward;
-            ZeRO-3 (FSDP): per micro-batch, parameters all-gathered for forward and backward and
-            gradients reduce-scattered (≈ 1.5× the DP volume each time), overlapped with compute;
-            split experts stay on their ranks, only their gradients are all-reduced, once per step.
-  Links: a group whose ranks fit in one node (ranks ordered tp, cp, dp, pp — tp innermost) uses
-  the intra-node bandwidth, otherwise the per-GPU inter-node bandwidth. Every collective also
-  pays a latency (10 µs inside a node, 30 µs across nodes — assumed, typical NCCL small-message
-  figures), which is what many tiny collectives of a fine split cost.
+Cost model (per optimizer step on the heaviest rank, every GPU busy in lock-step):
+  compute   global tokens × training FLOPs/token (flops.py) × recompute (full +1/3, selective 2 %) ×
+            the slowest pipeline rank's share ÷ (GPUs × dense peak × the efficiency of the layout's
+            own per-rank matmul and attention shapes: planning.compute).
+  comm      every collective the rank issues, by the trainer's rules, each with its bytes, group,
+            link (NVLink in a node, the network when the group spans nodes) and NCCL bus factor
+            (planning.comm.step_collectives); those an overlap can hide share a budget of the compute
+            that hides them (`exposure`: FSDP gathers behind each micro-batch, gradient reductions
+            behind the last backward, ring hops behind attention; × `overlap`); tp+sp, all-to-all
+            and pipeline sends are on the critical path.
+  pipeline  the schedule's bubble fraction (planning.pipeline.bubble_fraction, the real micro-batch
+            count) of the pipelined time, which includes each micro-batch's exposed transfers.
+  step      (compute + exposed tp, cp, ep, pp and FSDP gathers) × (1 + bubble) + exposed reductions.
 Rank by tokens/s per GPU (the same order as MFU); ties go to the layout with less memory.
 """
 
