@@ -102,3 +102,25 @@ def test_custom_gpu_and_figure_overrides(capsys):
     slow = estimate_json(capsys, *base, "--gpu", "h100-sxm", "--network-gbs", "5")  # dp=16 spans two nodes
     fast = estimate_json(capsys, *base, "--gpu", "h100-sxm")
     assert slow["time"]["dp_comm_s"] > 5 * fast["time"]["dp_comm_s"]
+
+
+def test_search_prices_collectives_with_a_profile(capsys, tmp_path):
+    # a profile as `bench comm` writes it (planning/profile.py): per-operation links inside a node
+    links = {op: {"bandwidth": 1e9 * (i + 1), "latency": 1e-4 * (i + 1)}
+             for i, op in enumerate(("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "broadcast", "p2p"))}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"format": "ultratron-comm-profile", "version": 1, "device": "cpu", "backend": "gloo",
+                                "world_size": 4, "gpus_per_node": 4, "matmul_flops": 5e10, "intra": links,
+                                "inter": {}}))
+    code, out, _ = plan(capsys, "search", "--model", "tiny", "--gpus", "4", "--batch-tokens", "8192", "--seq", "256",
+                        "--precision", "fp32", "--gpu", "profile", "--profile", str(path), "--out", "-", "--json",
+                        "--top", "20")
+    assert code == 0
+    priced = [c for est in json.loads(out)["layouts"] for c in est["collectives"]]
+    assert priced
+    for c in priced:  # every collective at its operation's measured link (one node: no network)
+        link = links[c["op"]]
+        factor = {"all-reduce": 2 * (c["group"] - 1) / c["group"], "broadcast": 1, "p2p": 1}.get(
+            c["op"], (c["group"] - 1) / c["group"])
+        assert not c["spans_nodes"]
+        assert c["seconds"] == pytest.approx(c["calls"] * (c["nbytes"] * factor / link["bandwidth"] + link["latency"]))
