@@ -2,12 +2,15 @@
 terms behind them; `plan search` ranks layouts with the same function (`search.estimate_step`)."""
 
 import json
+import re
 
 import pytest
 
 from ultratron.cli import main
 from ultratron.models.presets import PRESETS
+from ultratron.planning.compute import compute_efficiency
 from ultratron.planning.flops import flops_per_token_of
+from ultratron.planning.layout import Layout
 from ultratron.planning.memory import MemoryBreakdown
 
 H100_BF16 = 989.4e12
@@ -38,8 +41,10 @@ def test_estimate_json_has_the_numbers_and_their_terms(capsys):
     flops = flops_per_token_of(shape, 8192)
     assert data["mfu"] == pytest.approx(data["tokens_per_sec_per_gpu"] * flops / H100_BF16)
     # compute by hand: global tokens × FLOPs/token × 1.02 (selective recompute) over 8 GPUs at the peak
-    # times the efficiency, which shrinks for small matmuls: T/(T + 256) · h/(h + 256)
-    efficiency = 0.6 * 8192 / (8192 + 256) * 4096 / (4096 + 256)
+    # times the efficiency of this layout's matmul and attention shapes (planning.compute)
+    efficiency = compute_efficiency(shape, Layout(dp=8, zero=2, seq_len=8192, grad_accum=16, recompute="selective"),
+                                    H100_BF16, 3.35e12)
+    assert data["compute_efficiency"] == pytest.approx(efficiency)
     assert time["compute_s"] == pytest.approx(data["batch_tokens"] * flops * 1.02 / (8 * H100_BF16 * efficiency))
     assert data["fits"] is (data["peak_bytes"] <= data["usable_bytes"])
     assert memory["extra"]["data_parallel"] == "fsdp"
@@ -66,3 +71,56 @@ def test_estimate_refuses_sweeps_and_bad_layouts(capsys):
     assert code == 2 and "tp=3 does not divide n_heads=32" in err and "--efficiency must lie in (0, 1]" in err
     code, out, _ = plan(capsys, "estimate", "--model", "llama3-70b", "--seq", "8192")
     assert code == 0 and "does NOT fit" in out  # a 70B model on one GPU: an estimate, and the verdict
+
+
+def test_estimate_prints_the_step_as_a_table_whose_parts_add_up(capsys):
+    code, out, _ = plan(capsys, "estimate", "--model", "llama3-70b", "--dp", "8", "--tp", "8", "--sp", "--pp", "4",
+                        "--zero", "1", "--seq", "8192", "--grad-acc", "16")
+    assert code == 0
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("term"))
+    rows = {line.split("  ")[0].strip(): line for line in lines[header + 2:] if line and not line.startswith("   -")}
+    assert {"compute", "tp all-gather", "tp reduce-scatter", "pp p2p", "dp all-gather", "pipeline bubble",
+            "step"} <= set(rows)
+    assert "(nodes)" in rows["pp p2p"] and "(nodes)" not in rows["tp all-gather"]  # stages 64 ranks apart
+    # FSDP's gathers: their time, and the part the compute does not hide (the first block's of each micro-batch)
+    ms = lambda text: float(text.split()[0]) * (1e-3 if text.endswith("ms") else 1)  # noqa: E731
+    total, shown = re.search(r"([\d.]+ m?s), hidden by compute +([\d.]+ m?s)", rows["dp all-gather"]).groups()
+    assert 0 < ms(shown) < ms(total)
+    shares = [float(line.split()[-1].rstrip("%")) for name, line in rows.items() if name != "step"]
+    assert sum(shares) == pytest.approx(100, abs=0.1 * len(shares))  # each share rounded to 0.1 %
+
+
+def test_custom_gpu_and_figure_overrides(capsys):
+    base = ("--model", "llama3-8b", "--dp", "16", "--zero", "3", "--seq", "4096", "--json")
+    code, _, err = plan(capsys, "estimate", *base, "--gpu", "custom", "--peak-tflops", "500")
+    assert code == 2 and "--gpu custom needs --memory-gib, --nvlink-gbs, --network-gbs" in err
+    custom = estimate_json(capsys, *base, "--gpu", "custom", "--peak-tflops", "500", "--memory-gib", "80",
+                           "--nvlink-gbs", "450", "--network-gbs", "50", "--gpus-per-node", "8")
+    h100 = estimate_json(capsys, *base, "--gpu", "h100-sxm", "--peak-tflops", "500")
+    assert custom["gpu"] == "custom" and custom["time"]["compute_s"] == pytest.approx(h100["time"]["compute_s"])
+    slow = estimate_json(capsys, *base, "--gpu", "h100-sxm", "--network-gbs", "5")  # dp=16 spans two nodes
+    fast = estimate_json(capsys, *base, "--gpu", "h100-sxm")
+    assert slow["time"]["dp_comm_s"] > 5 * fast["time"]["dp_comm_s"]
+
+
+def test_search_prices_collectives_with_a_profile(capsys, tmp_path):
+    # a profile as `bench comm` writes it (planning/profile.py): per-operation links inside a node
+    links = {op: {"bandwidth": 1e9 * (i + 1), "latency": 1e-4 * (i + 1)}
+             for i, op in enumerate(("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "broadcast", "p2p"))}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"format": "ultratron-comm-profile", "version": 1, "device": "cpu", "backend": "gloo",
+                                "world_size": 4, "gpus_per_node": 4, "matmul_flops": 5e10, "intra": links,
+                                "inter": {}}))
+    code, out, _ = plan(capsys, "search", "--model", "tiny", "--gpus", "4", "--batch-tokens", "8192", "--seq", "256",
+                        "--precision", "fp32", "--gpu", "profile", "--profile", str(path), "--out", "-", "--json",
+                        "--top", "20")
+    assert code == 0
+    priced = [c for est in json.loads(out)["layouts"] for c in est["collectives"]]
+    assert priced
+    for c in priced:  # every collective at its operation's measured link (one node: no network)
+        link = links[c["op"]]
+        factor = {"all-reduce": 2 * (c["group"] - 1) / c["group"], "broadcast": 1, "p2p": 1}.get(
+            c["op"], (c["group"] - 1) / c["group"])
+        assert not c["spans_nodes"]
+        assert c["seconds"] == pytest.approx(c["calls"] * (c["nbytes"] * factor / link["bandwidth"] + link["latency"]))

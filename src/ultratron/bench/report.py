@@ -36,8 +36,10 @@ def _accelerator(gpu: str, result: dict, flops_per_token: float) -> Accelerator 
     if not result.get("mfu") or not result.get("tokens_per_sec_per_gpu"):
         return None  # no measured CPU peak to predict against
     peak = result["tokens_per_sec_per_gpu"] * flops_per_token / result["mfu"]
+    # attention at the matmul rate: the table of measured attention rates is an H200's (planning.compute)
     return Accelerator("CPU (measured matmul peak)", {"fp32": peak, "bf16": peak}, 0.0, CPU_LINK_BYTES_PER_S,
-                       CPU_LINK_BYTES_PER_S, os.cpu_count() or 1, "the trainer's measured CPU matmul rate")
+                       CPU_LINK_BYTES_PER_S, os.cpu_count() or 1, "the trainer's measured CPU matmul rate",
+                       attention_table=False)
 
 
 def predict(sweep: Sweep, cell: Cell, result: dict, gpu: str) -> dict:

@@ -3,6 +3,7 @@
   ultratron bench sweep --out sweeps/tiny --model tiny --grid "dp=1,2,4 tp=1,2 pp=1,2" --gpus 4 --gpu cpu
   ultratron bench sweep --out sweeps/8b --model llama3-8b --top 5 --gpus 8 --gpu h100-sxm -- --config base.toml
   ultratron bench sweep --out sweeps/8b ... --slurm sweep.sbatch      (one Slurm job array; resubmit to resume)
+  ultratron bench comm --nproc 4 --out profile.json        (then: ultratron plan estimate --profile profile.json)
 
 Each cell (layout × model) trains for --steps steps in its own `ultratron train` process (torchrun
 for several ranks); the sweep collects tokens/s/GPU, MFU and peak memory, or why the cell did not
@@ -22,8 +23,18 @@ from ultratron.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", metavar="{sweep}")
+    sub = parser.add_subparsers(dest="bench_command", metavar="{sweep,comm}")
     sub.required = True
+    cm = sub.add_parser("comm", help="measure collectives' bandwidth and latency and the matmul rate; write a "
+                                     "profile for `plan estimate/search --profile`")
+    cm.add_argument("--out", default="comm-profile.json", help="the profile to write (JSON)")
+    cm.add_argument("--nproc", type=int, default=4, help="processes to start on this machine (ignored under "
+                                                         "torchrun, which gives the ranks)")
+    cm.add_argument("--max-bytes", type=int, default=16 * 2**20, help="largest message (default 16 MiB)")
+    cm.add_argument("--repeat", type=int, default=5, help="timed runs per size (default 5; the median is kept)")
+    cm.add_argument("--matmul-size", type=int, default=1024, help="square matmul timed on every rank at once")
+    cm.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
+    cm.set_defaults(bench_run=run_comm)
     sw = sub.add_parser("sweep", help="train a grid of layouts × models for a few steps each; measured vs predicted")
     sw.add_argument("--out", required=True, help="the sweep directory (results, reports; resumed if it exists)")
     sw.add_argument("--model", default="tiny", help="model presets, comma-separated (default tiny)")
@@ -53,6 +64,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     return int(args.bench_run(args) or 0)
+
+
+def run_comm(args) -> int:
+    from ultratron.bench.comm import run_comm as measure
+    from ultratron.planning.profile import load_profile
+
+    problems = [f"--{n.replace('_', '-')} must be positive, got {getattr(args, n)}"
+                for n in ("nproc", "max_bytes", "repeat", "matmul_size", "threads") if getattr(args, n) <= 0]
+    if args.nproc < 2:
+        problems.append("--nproc must be at least 2: a collective needs a group")
+    if problems:
+        raise UserError(problems)
+    measure(args.out, args.nproc, args.max_bytes, args.repeat, args.matmul_size, args.threads)
+    profile = load_profile(args.out)
+    print(f"{profile['world_size']} ranks ({profile['backend']}, {profile['device']}), matmul "
+          f"{profile['matmul_flops'] / 1e9:.1f} GFLOP/s per rank")
+    for where in ("intra", "inter"):
+        for op, link in profile.get(where, {}).items():
+            print(f"  {where}-node {op:15s} bus bandwidth {link['bandwidth'] / 1e9:8.3f} GB/s, "
+                  f"latency {link['latency'] * 1e6:8.1f} µs")
+    print(f"profile: {args.out} (ultratron plan estimate ... --profile {args.out})")
+    return 0
 
 
 def _cells(args, overrides: list[str]):

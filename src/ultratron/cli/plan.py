@@ -30,6 +30,7 @@ from ultratron.errors import UserError
 from ultratron.fields import MISSING, field_problems
 from ultratron.models.presets import PRESETS, ModelShape
 from ultratron.planning import hardware
+from ultratron.planning.compute import MATMUL_EFFICIENCY
 from ultratron.planning.layout import Layout
 from ultratron.planning.memory import ACTIVATION_MODELS, GiB, MemoryBreakdown, estimate_memory_per_rank
 from ultratron.planning.params import count_params_of
@@ -85,10 +86,70 @@ def _model_and_layout_arguments(parser: argparse.ArgumentParser, layout_help: st
 
 
 def _hardware_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpu", default="h100-sxm", help=f"GPU type: {', '.join(hardware.ACCELERATORS)}")
+    parser.add_argument("--gpu", default="h100-sxm", help=f"GPU type: {', '.join(hardware.ACCELERATORS)}; custom (give "
+                                                          "--peak-tflops, --memory-gib, --nvlink-gbs, --network-gbs); "
+                                                          "profile (the --profile's measured matmul rate)")
     parser.add_argument("--gpus-per-node", type=int, help="default: the GPU type's usual node (8)")
     parser.add_argument("--headroom", type=float, default=0.10, help="fraction of memory left free (default 0.1)")
-    parser.add_argument("--efficiency", type=float, default=0.6, help="large-matmul fraction of peak (default 0.6)")
+    parser.add_argument("--efficiency", type=float, default=None,
+                        help=f"large-matmul fraction of peak (default {MATMUL_EFFICIENCY}, measured: "
+                             "planning/compute.py; 1 with --gpu profile); small per-rank matmuls and short "
+                             "attention run below it")
+    parser.add_argument("--profile", metavar="JSON", help="links measured by `ultratron bench comm` (bandwidth and "
+                                                          "latency per collective) instead of the GPU's table figures")
+    hw = parser.add_argument_group("hardware figures (required with --gpu custom; else they override the table)")
+    hw.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s of the layout's precision")
+    hw.add_argument("--memory-gib", type=float, help="GPU memory, GiB")
+    hw.add_argument("--nvlink-gbs", type=float, help="bus bandwidth inside a node, GB/s per GPU")
+    hw.add_argument("--network-gbs", type=float, help="bus bandwidth across nodes, GB/s per GPU")
+    hw.add_argument("--hbm-gbs", type=float, help="memory bandwidth, GB/s (default 3350)")
+    hw.add_argument("--nvlink-latency-us", type=float, help="one collective's latency inside a node (default 10)")
+    hw.add_argument("--network-latency-us", type=float, help="one collective's latency across nodes (default 30)")
+
+
+CUSTOM_NEEDS = ("peak_tflops", "memory_gib", "nvlink_gbs", "network_gbs")
+
+
+def resolve_hardware(args):
+    """(accelerator, measured network or None, large-matmul efficiency) from --gpu, the figure flags
+    and --profile."""
+    from dataclasses import replace as with_fields
+
+    from ultratron.planning.profile import accelerator_of_profile, load_profile, network_of_profile
+
+    profile = load_profile(args.profile) if args.profile else None
+    efficiency = args.efficiency
+    if args.gpu == "custom":
+        missing = [_flag(n) for n in CUSTOM_NEEDS if getattr(args, n) is None]
+        if missing:
+            raise UserError(f"--gpu custom needs {', '.join(missing)}")
+        peak = args.peak_tflops * 1e12
+        acc = hardware.Accelerator("custom", {k: peak for k in ("bf16", "fp16", "fp32", "tf32")},
+                                   args.memory_gib * GiB, args.nvlink_gbs * 1e9, args.network_gbs * 1e9,
+                                   args.gpus_per_node or 8, "given on the command line")
+    elif args.gpu == "profile":
+        if profile is None:
+            raise UserError("--gpu profile needs --profile FILE (from `ultratron bench comm`)")
+        acc = accelerator_of_profile(profile, args.memory_gib or 80.0)
+        efficiency = 1.0 if efficiency is None else efficiency
+    else:
+        acc = hardware.get_accelerator(args.gpu)
+        if args.peak_tflops is not None:
+            acc = with_fields(acc, flops={k: args.peak_tflops * 1e12 for k in acc.flops})
+        if args.memory_gib is not None:
+            acc = with_fields(acc, memory_bytes=args.memory_gib * GiB)
+        if args.nvlink_gbs is not None:
+            acc = with_fields(acc, intra_node_bw=args.nvlink_gbs * 1e9)
+        if args.network_gbs is not None:
+            acc = with_fields(acc, inter_node_bw=args.network_gbs * 1e9)
+    if args.hbm_gbs is not None:
+        acc = with_fields(acc, memory_bw=args.hbm_gbs * 1e9)
+    if args.nvlink_latency_us is not None:
+        acc = with_fields(acc, intra_node_latency=args.nvlink_latency_us * 1e-6)
+    if args.network_latency_us is not None:
+        acc = with_fields(acc, inter_node_latency=args.network_latency_us * 1e-6)
+    network = network_of_profile(profile, args.gpus_per_node) if profile else None
+    return acc, network, MATMUL_EFFICIENCY if efficiency is None else efficiency
 
 
 def run(args) -> int:
@@ -208,7 +269,7 @@ def _hardware_problems(args) -> list[str]:
     problems = []
     if not 0 <= args.headroom < 1:
         problems.append(f"--headroom must lie in [0, 1), got {args.headroom}")
-    if not 0 < args.efficiency <= 1:
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
         problems.append(f"--efficiency must lie in (0, 1], got {args.efficiency}")
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         problems.append(f"--gpus-per-node must be positive, got {args.gpus_per_node}")
@@ -221,35 +282,59 @@ def run_estimate(args) -> int:
 
     layouts = memory_layouts(args)
     shape = resolve_shape(args, max(1, layouts[0].seq_len))
-    acc = hardware.get_accelerator(args.gpu)
     if len(layouts) > 1:
         raise UserError("plan estimate takes one layout; `ultratron plan memory` sweeps comma lists")
     layout = layouts[0]
     problems = _hardware_problems(args) + check_layout(shape, layout)
-    if layout.precision not in acc.flops:
-        problems.append(f"no {layout.precision} peak for {acc.name}")
     if problems:
         raise UserError(problems)
+    acc, network, efficiency = resolve_hardware(args)
+    if layout.precision not in acc.flops:
+        raise UserError(f"no {layout.precision} peak for {acc.name}")
     gpus = layout.n_gpus
-    spec = SearchSpec(shape, acc, gpus, args.gpus_per_node or min(acc.gpus_per_node, gpus),
+    per_node = args.gpus_per_node or (network.gpus_per_node if network else min(acc.gpus_per_node, gpus))
+    spec = SearchSpec(shape, acc, gpus, per_node,
                       layout.dp * layout.micro_batch_size * layout.grad_accum * layout.seq_len, layout.seq_len,
-                      layout.precision, args.headroom, args.efficiency, activation_model=args.activation_model)
+                      layout.precision, args.headroom, efficiency, activation_model=args.activation_model,
+                      network=network)
     est = estimate_step(spec, layout)
     if args.json:
         print(json.dumps({"model": asdict(shape), "gpu": acc.name, "n_gpus": gpus, "gpus_per_node": spec.gpus_per_node,
                           "batch_tokens": spec.global_batch_tokens, "usable_bytes": spec.usable_bytes,
                           "fits": est.memory.peak_bytes <= spec.usable_bytes, "efficiency": spec.efficiency,
-                          "overlap": spec.overlap, **est.as_dict()}, indent=1))
+                          "overlap": spec.overlap, "profile": args.profile, **est.as_dict()}, indent=1))
         return 0
-    print(f"{args.model or 'custom model'} on {gpus} × {acc.name} ({spec.gpus_per_node} per node), "
-          f"{spec.global_batch_tokens:,} tokens per step: {layout.describe()}")
+    print(f"{args.model or 'custom model'} on {gpus} × {acc.name} ({spec.gpus_per_node} per node"
+          f"{', links from ' + args.profile if args.profile else ''}), {spec.global_batch_tokens:,} tokens per step: "
+          f"{layout.describe()}")
     print(f"peak {est.memory.peak_bytes / GiB:.2f} GiB per GPU ({spec.usable_bytes / GiB:.1f} usable: "
           f"{'fits' if est.memory.peak_bytes <= spec.usable_bytes else 'does NOT fit'}); "
-          f"step {est.step_s:.3f} s; {est.tokens_per_s_per_gpu:,.0f} tokens/s/GPU; MFU {est.mfu:.1%} "
-          f"(at an assumed matmul efficiency of {spec.efficiency:.0%})")
-    for reason in est.reasons[1:]:
+          f"step {est.step_s:.3f} s; {est.tokens_per_s_per_gpu:,.0f} tokens/s/GPU; MFU {est.mfu:.1%}")
+    print(step_table(est))
+    for reason in est.reasons[2:]:
         print(f"   - {reason}")
     return 0
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.3f} s"
+
+
+def step_table(est) -> str:
+    """The step as a table: compute, each collective (its time and what of it shows), the bubble."""
+    rows = [["compute", f"matmuls and attention at {est.efficiency:.0%} of peak"
+             + (f", slowest stage ×{est.stage_imbalance:.2f}" if est.stage_imbalance > 1 else ""),
+             "", "", "", "", _seconds(est.compute_s), f"{est.compute_s / est.step_s:.1%}"]]
+    for c, exposed in zip(est.collectives, est.exposed, strict=True):
+        hidden = f"hidden by {c.hidden_by}" if c.hidden_by else "exposed"
+        rows.append([f"{c.axis} {c.op}", c.what, f"{c.group}" + (" (nodes)" if c.spans_nodes else ""),
+                     f"{c.calls:g}", human(c.nbytes, "B"), f"{_seconds(c.seconds)}, {hidden}", _seconds(exposed),
+                     f"{exposed / est.step_s:.1%}"])
+    if est.bubble_s:
+        rows.append(["pipeline bubble", f"{est.layout.pp_schedule}, {est.layout.grad_accum} micro-batches", "", "", "",
+                     "", _seconds(est.bubble_s), f"{est.bubble_s / est.step_s:.1%}"])
+    rows.append(["step", "", "", "", "", "", _seconds(est.step_s), "100%"])
+    return table(["term", "what", "group", "calls", "per call", "time", "on the step", "share"], rows)
 
 
 def run_search(args) -> int:
@@ -258,7 +343,6 @@ def run_search(args) -> int:
 
     fixed = layout_values(args)
     shape = resolve_shape(args, max(1, fixed["seq_len"][0]))
-    acc = hardware.get_accelerator(args.gpu)
     problems = [f"plan search keeps one value of {_flag(name)}, got {len(v)}; `plan memory` sweeps comma lists"
                 for name, v in fixed.items() if len(v) > 1]
     fixed = {name: v[0] for name, v in fixed.items()}
@@ -268,9 +352,10 @@ def run_search(args) -> int:
     if problems:
         raise UserError(problems)
     seq_len, precision = fixed.pop("seq_len"), fixed.pop("precision", Layout.precision)
-    spec = SearchSpec(shape, acc, args.gpus, args.gpus_per_node or min(acc.gpus_per_node, args.gpus),
-                      args.batch_tokens, seq_len, precision, args.headroom, args.efficiency,
-                      activation_model=args.activation_model, fixed=fixed)
+    acc, network, efficiency = resolve_hardware(args)
+    per_node = args.gpus_per_node or (network.gpus_per_node if network else min(acc.gpus_per_node, args.gpus))
+    spec = SearchSpec(shape, acc, args.gpus, per_node, args.batch_tokens, seq_len, precision, args.headroom,
+                      efficiency, activation_model=args.activation_model, fixed=fixed, network=network)
     result = search(spec, top=args.top)
     wrote = None
     if result.best and args.out != "-":

@@ -65,14 +65,3 @@ def all_to_all_buffer_bytes(shape, tokens: float, p: int, ep: int) -> float:
     if not is_moe(shape) or ep == 1:
         return 0.0
     return 2 * p * tokens * field_of(shape, "n_active_experts") * shape.dim
-
-
-def all_to_all_seconds(shape, tokens: float, p: int, ep: int, layers: float, bandwidth: float, latency: float,
-                       recompute: str) -> float:
-    """One micro-batch's all-to-alls on a rank holding `layers` layers: dispatch and combine in
-    forward and backward (and the forward's again under full recompute), not overlapped."""
-    if not is_moe(shape) or ep == 1:
-        return 0.0
-    calls = 6 if recompute == "full" else 4
-    volume = (ep - 1) / ep * p * tokens * field_of(shape, "n_active_experts") * shape.dim
-    return layers * moe_layer_share(shape) * calls * (volume / bandwidth + latency)

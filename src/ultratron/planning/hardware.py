@@ -32,6 +32,14 @@ class Accelerator:
     gpus_per_node: int
     source: str
     aliases: tuple[str, ...] = field(default=())
+    # One collective's fixed cost (s), inside a node and across: NCCL's small-message times, which
+    # no datasheet gives. Assumed typical figures; `ultratron bench comm` measures a cluster's own.
+    intra_node_latency: float = 10e-6
+    inter_node_latency: float = 30e-6
+    memory_bw: float = 3.35e12  # HBM bytes/s (datasheet): what memory-bound small matmuls run at
+    # attention at the rates measured on an H200 by sequence (planning.compute); False: at the matmul
+    # rate (a measured profile of another device, a CPU, where that table does not apply)
+    attention_table: bool = True
 
 
 def _flops(bf16: float, fp32: float, tf32: float, fp8: float | None = None) -> dict[str, float]:
@@ -49,33 +57,33 @@ ACCELERATORS: dict[str, Accelerator] = {
         "H100 SXM", _flops(989.4, 67.0, 494.7, 1978.9), 79.6 * GiB, 450 * GB, 50 * GB, 8,
         "NVIDIA H100 datasheet (SXM5): dense BF16 989.4 TFLOP/s, 80 GB HBM3, NVLink 900 GB/s, "
         "DGX H100 400 Gb/s per GPU",
-        aliases=("h100", "h100 80gb hbm3", "h100 sxm", "h100-sxm5"),
+        aliases=("h100", "h100 80gb hbm3", "h100 sxm", "h100-sxm5"), memory_bw=3.35e+12,
     ),
     # Same datasheet, PCIe column: BF16 1,513 sparse → 756.5 dense; TF32 378; FP32 51; 80 GB HBM2e.
     # No NVSwitch: GPUs talk over PCIe Gen5 x16 (64 GB/s per direction); assume a 200 Gb/s NIC each.
     "h100-pcie": Accelerator(
         "H100 PCIe", _flops(756.5, 51.0, 378.0, 1513.0), 79.6 * GiB, 64 * GB, 25 * GB, 8,
         "NVIDIA H100 datasheet (PCIe): dense BF16 756.5 TFLOP/s, 80 GB HBM2e, PCIe Gen5 64 GB/s",
-        aliases=("h100 pcie", "h100-pcie"),
+        aliases=("h100 pcie", "h100-pcie"), memory_bw=2e+12,
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (2024), SXM column: same compute as H100 SXM, 141 GB
     # HBM3e (nvidia-smi: 143,771 MiB), NVLink 900 GB/s; HGX H200 with 400 Gb/s per GPU.
     "h200": Accelerator(
         "H200 SXM", _flops(989.4, 67.0, 494.7, 1978.9), 140.4 * GiB, 450 * GB, 50 * GB, 8,
         "NVIDIA H200 datasheet (SXM): dense BF16 989.4 TFLOP/s, 141 GB HBM3e, NVLink 900 GB/s",
-        aliases=("h200", "h200 sxm", "gh200"),
+        aliases=("h200", "h200 sxm", "gh200"), memory_bw=4.8e+12,
     ),
     # NVIDIA A100 Tensor Core GPU datasheet (2021): BF16 312 dense (624 sparse), TF32 156, FP32 19.5.
     # NVLink 3: 600 GB/s bidirectional → 300 per direction; DGX A100: 8× HDR 200 Gb/s.
     "a100-40gb": Accelerator(
         "A100 40GB", _flops(312.0, 19.5, 156.0), 40.0 * GiB, 300 * GB, 25 * GB, 8,
         "NVIDIA A100 datasheet: dense BF16 312 TFLOP/s, 40 GB HBM2, NVLink 600 GB/s, HDR 200 Gb/s",
-        aliases=("a100-sxm4-40gb", "a100 40gb", "a100-pcie-40gb"),
+        aliases=("a100-sxm4-40gb", "a100 40gb", "a100-pcie-40gb"), memory_bw=1.555e+12,
     ),
     "a100-80gb": Accelerator(
         "A100 80GB", _flops(312.0, 19.5, 156.0), 80.0 * GiB, 300 * GB, 25 * GB, 8,
         "NVIDIA A100 datasheet: dense BF16 312 TFLOP/s, 80 GB HBM2e, NVLink 600 GB/s, HDR 200 Gb/s",
-        aliases=("a100", "a100-sxm4-80gb", "a100 80gb", "a100 80gb pcie"),
+        aliases=("a100", "a100-sxm4-80gb", "a100 80gb", "a100 80gb pcie"), memory_bw=2.039e+12,
     ),
     # NVIDIA HGX B200 datasheet (2024): FP16/BF16 4.5 PFLOPS with sparsity → 2.25 dense per GPU;
     # TF32 2.2 sparse → 1.1 dense; FP8 9 sparse → 4.5 dense; FP32 600 TFLOPS per 8 GPUs → 75.
@@ -83,7 +91,7 @@ ACCELERATORS: dict[str, Accelerator] = {
     "b200": Accelerator(
         "B200", _flops(2250.0, 75.0, 1100.0, 4500.0), 179.0 * GiB, 900 * GB, 50 * GB, 8,
         "NVIDIA HGX B200 datasheet: dense BF16 2.25 PFLOP/s, 180 GB HBM3e, NVLink 1.8 TB/s",
-        aliases=("b200", "hgx b200"),
+        aliases=("b200", "hgx b200"), memory_bw=8e+12,
     ),
     # AMD Instinct MI300X datasheet (2023): BF16 1,307.4 dense (2,614.9 sparse), TF32 653.7,
     # FP32 163.4, FP8 2,614.9 dense; 192 GB HBM3; 7 Infinity Fabric links × 64 GB/s = 448 GB/s per
@@ -91,14 +99,14 @@ ACCELERATORS: dict[str, Accelerator] = {
     "mi300x": Accelerator(
         "MI300X", _flops(1307.4, 163.4, 653.7, 2614.9), 192.0 * GiB, 448 * GB, 50 * GB, 8,
         "AMD Instinct MI300X datasheet: dense BF16 1307.4 TFLOP/s, 192 GB HBM3, Infinity Fabric 896 GB/s",
-        aliases=("mi300x", "amd instinct mi300x", "instinct mi300x"),
+        aliases=("mi300x", "amd instinct mi300x", "instinct mi300x"), memory_bw=5.3e+12,
     ),
     # NVIDIA L40S datasheet (2023): BF16 733 with sparsity → 362.05 dense; TF32 183; FP32 91.6;
     # 48 GB GDDR6 (nvidia-smi: 46,068 MiB); no NVLink: PCIe Gen4 x16 32 GB/s; assume 200 Gb/s NIC.
     "l40s": Accelerator(
         "L40S", _flops(362.05, 91.6, 183.0, 733.0), 45.0 * GiB, 32 * GB, 25 * GB, 8,
         "NVIDIA L40S datasheet: dense BF16 362 TFLOP/s, 48 GB GDDR6, PCIe Gen4 32 GB/s",
-        aliases=("l40s",),
+        aliases=("l40s",), memory_bw=8.64e+11,
     ),
 }
 

@@ -1,36 +1,18 @@
 """Search for the fastest parallel layout that fits: enumerate, check memory, estimate step time, rank.
 
-Cost model (per optimizer step, every GPU busy in lock-step; constants are the `SearchSpec` fields):
-  compute   global tokens × training FLOPs/token (flops.py) ÷ (GPUs × dense peak × efficiency),
-            where efficiency = `efficiency` (what large matmuls reach) × T/(T+256) × w/(w+256)
-            for the local matmul sizes (T = tokens of a micro-batch on the GPU, w = dim/tp): small
-            matmuls run far below peak, which is what makes over-splitting slow. Full recompute
-            adds one forward (+1/3), selective 2 % (its recomputed norms and SwiGLU products are
-            memory-bound elementwise work, no matmuls).
-  TP        per layer and micro-batch 4 all-reduces (2 forward, 2 backward; 6 with full recompute)
-            of p·T·h bytes, each moving 2(t−1)/t of it over the intra-node link; not overlapped.
-            (With SP: 4 all-gathers + 4 reduce-scatters, the same bytes.)
-  EP        a mixture of experts' all-to-all (planning.experts.all_to_all_seconds): per MoE layer and
-            micro-batch the rank's k·T routed slots of p·h bytes go to their experts and back, in
-            forward and backward, (ep−1)/ep of them off the rank, over the link the ep group spans
-            (ep ranks are neighbouring data-parallel ranks); not overlapped. FLOPs count the active
-            parameters only (flops.py), so a MoE layout's MFU is against its active compute.
-  CP        ring attention passes K and V (p·T·2kv/t) cp−1 times forward and twice that backward,
-            hidden behind the attention's own compute up to the overlap fraction.
-  PP        each micro-batch sends its activations forward and gradients back (p·T·h each, once per
-            stage a rank runs), not overlapped; the bubble stretches the pipelined part by the
-            schedule's published fraction (planning.pipeline.bubble_fraction: (p−1)/m for GPipe and
-            1F1B, (p−1)/(v·m) interleaved, a third of that for the zero-bubble and V schedules).
-            The stage split, placement and rules are the trainer's (planning.pipeline, rules).
-  DP/ZeRO   ZeRO-0/1/2: one all-reduce (or reduce-scatter + all-gather) of the gradients per step,
-            2(n−1)/n × params × grad bytes, overlapped with the last micro-batch's backward;
-            ZeRO-3 (FSDP): per micro-batch, parameters all-gathered for forward and backward and
-            gradients reduce-scattered (≈ 1.5× the DP volume each time), overlapped with compute;
-            split experts stay on their ranks, only their gradients are all-reduced, once per step.
-  Links: a group whose ranks fit in one node (ranks ordered tp, cp, dp, pp — tp innermost) uses
-  the intra-node bandwidth, otherwise the per-GPU inter-node bandwidth. Every collective also
-  pays a latency (10 µs inside a node, 30 µs across nodes — assumed, typical NCCL small-message
-  figures), which is what many tiny collectives of a fine split cost.
+Cost model (per optimizer step on the heaviest rank, every GPU busy in lock-step):
+  compute   global tokens × training FLOPs/token (flops.py) × recompute (full +1/3, selective 2 %) ×
+            the slowest pipeline rank's share ÷ (GPUs × dense peak × the efficiency of the layout's
+            own per-rank matmul and attention shapes: planning.compute).
+  comm      every collective the rank issues, by the trainer's rules, each with its bytes, group,
+            link (NVLink in a node, the network when the group spans nodes) and NCCL bus factor
+            (planning.comm.step_collectives); those an overlap can hide share a budget of the compute
+            that hides them (`exposure`: FSDP gathers behind each micro-batch, gradient reductions
+            behind the last backward, ring hops behind attention; × `overlap`); tp+sp, all-to-all
+            and pipeline sends are on the critical path.
+  pipeline  the schedule's bubble fraction (planning.pipeline.bubble_fraction, the real micro-batch
+            count) of the pipelined time, which includes each micro-batch's exposed transfers.
+  step      (compute + exposed tp, cp, ep, pp and FSDP gathers) × (1 + bubble) + exposed reductions.
 Rank by tokens/s per GPU (the same order as MFU); ties go to the layout with less memory.
 """
 
@@ -41,20 +23,19 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ultratron.errors import UserError
-from ultratron.planning.experts import all_to_all_seconds, is_moe
+from ultratron.planning.comm import ATTENTION, COMPUTE, LAST_BACKWARD, Collective, Link, Network, step_collectives
+from ultratron.planning.compute import MATMUL_EFFICIENCY, compute_efficiency
+from ultratron.planning.experts import is_moe
 from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.hardware import Accelerator
 from ultratron.planning.layout import Layout, check_layout
 from ultratron.planning.memory import GiB, MemoryBreakdown, estimate_memory
 from ultratron.planning.params import count_params_of
-from ultratron.planning.pipeline import LOOPED, SCHEDULES, SINGLE
+from ultratron.planning.pipeline import LOOPED, SCHEDULES, SINGLE, stage_costs, stage_ranks, stage_split
 from ultratron.planning.pipeline import bubble_fraction as bubble_fraction_of
 from ultratron.planning.rules import layout_problems, pipeline_problems
 
 SELECTIVE_RECOMPUTE_OVERHEAD = 0.02
-MATMUL_HALF_SIZE = 256  # a matmul dimension of this size reaches half the large-matmul efficiency
-LATENCY_INTRA_S = 10e-6
-LATENCY_INTER_S = 30e-6
 
 
 @dataclass(frozen=True)
@@ -67,11 +48,13 @@ class SearchSpec:
     seq_len: int
     precision: str = "bf16"
     headroom: float = 0.10  # fraction of GPU memory left free (allocator fragmentation, CUDA context)
-    efficiency: float = 0.6  # fraction of the dense peak large matmuls reach
+    efficiency: float = MATMUL_EFFICIENCY  # fraction of the dense peak large matmuls reach (planning.compute)
     overlap: float = 0.8  # fraction of overlappable communication the compute hides
     activation_model: str = "per-op"
     max_mbs: int = 16
     max_cp: int = 8
+    max_tp: int = 0  # largest tensor-parallel degree tried (0: the node's GPUs; search widens it when it must)
+    network: Network | None = None  # measured links (`bench comm`'s profile); None: the GPU's table figures
     # Layout fields the user fixed (`plan search --tp 8`): the search keeps the layouts it would
     # choose that have these values, and sets those it never varies (pp_split, dp_replicate, ...).
     fixed: dict = field(default_factory=dict)
@@ -97,6 +80,10 @@ class Estimate:
     mfu: float = 0.0
     reasons: list[str] = field(default_factory=list)
     ep_comm_s: float = 0.0
+    efficiency: float = 0.0  # the matmul efficiency the compute term assumed for this layout's shapes
+    stage_imbalance: float = 1.0  # slowest pipeline rank's FLOPs over the mean rank's
+    collectives: list[Collective] = field(default_factory=list)  # planning.comm.step_collectives
+    exposed: list[float] = field(default_factory=list)  # each collective's seconds on the critical path
 
     TIME_TERMS = ("compute_s", "tp_comm_s", "cp_exposed_s", "ep_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s",
                   "dp_exposed_s")
@@ -112,7 +99,9 @@ class Estimate:
             # step_seconds = compute + TP + CP exposed + EP all-to-all + PP p2p + bubble + DP exposed
             # (dp_comm_s: before overlap)
             "time": {term: getattr(self, term) for term in self.TIME_TERMS},
-            "reasons": self.reasons,
+            "reasons": self.reasons, "compute_efficiency": self.efficiency, "stage_imbalance": self.stage_imbalance,
+            "collectives": [c.as_dict() | {"exposed_s": e} for c, e in zip(self.collectives, self.exposed,
+                                                                            strict=True)],
         }
 
 
@@ -138,25 +127,12 @@ def _powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(0, int(math.log2(max(limit, 1))) + 1)]
 
 
-def _bandwidth(spec: SearchSpec, span: int) -> float:
-    """Per-GPU bandwidth for a group whose ranks spread over `span` consecutive GPUs."""
-    return spec.accelerator.intra_node_bw if span <= spec.gpus_per_node else spec.accelerator.inter_node_bw
-
-
-def _latency(spec: SearchSpec, span: int) -> float:
-    return LATENCY_INTRA_S if span <= spec.gpus_per_node else LATENCY_INTER_S
-
-
-def _size_factor(size: float) -> float:
-    return size / (size + MATMUL_HALF_SIZE)
-
-
 def enumerate_layouts(spec: SearchSpec):
     """Every layout the search considers (valid shapes; memory not yet checked)."""
     shape = spec.shape
     n, node = spec.n_gpus, spec.gpus_per_node
     sequences = spec.global_batch_tokens // spec.seq_len
-    for tp in _powers_of_two(node):
+    for tp in _powers_of_two(spec.max_tp or node):
         if n % tp or layout_problems(shape, tp=tp):
             continue
         for cp in _powers_of_two(spec.max_cp):
@@ -207,6 +183,48 @@ def constrained_layouts(spec: SearchSpec):
                 yield layout
 
 
+def network_of(spec: SearchSpec) -> Network:
+    """The links the spec's cluster has: a measured profile (`spec.network`) or the GPU's table figures."""
+    if spec.network is not None:
+        return spec.network
+    acc = spec.accelerator
+    return Network(spec.gpus_per_node, Link(acc.intra_node_bw, acc.intra_node_latency),
+                   Link(acc.inter_node_bw, acc.inter_node_latency))
+
+
+def stage_imbalance(shape, layout: Layout) -> float:
+    """The slowest pipeline rank's training FLOPs over the mean rank's (1 without pp): the pipeline
+    runs at the slowest rank's pace, and the embedding / head stages are not the average ones."""
+    if layout.pp == 1:
+        return 1.0
+    embedding, layer, head = stage_costs(shape, "flops", layout.seq_len)
+    split = stage_split(shape, layout.pp, layout.pp_schedule, layout.pp_virtual_stages, layout.pp_balance,
+                        layout.seq_len, layout.pp_split)
+    costs = [n * layer for n in split]
+    costs[0] += embedding
+    costs[-1] += head
+    per_rank = [0.0] * layout.pp
+    for stage, rank in enumerate(stage_ranks(layout.pp_schedule, layout.pp, layout.pp_virtual_stages)):
+        per_rank[rank] += costs[stage]
+    return max(per_rank) / (sum(per_rank) / layout.pp)
+
+
+def exposure(collectives: list[Collective], budgets: dict[str, float]) -> list[float]:
+    """Seconds of each collective left on the critical path: those hidden by the same compute share
+    its budget (`budgets[hidden_by]`, seconds); what exceeds it, and each one's unhidden part, shows."""
+    exposed = [c.seconds for c in collectives]
+    for kind, budget in budgets.items():
+        group = [i for i, c in enumerate(collectives) if c.hidden_by == kind]
+        total = sum(collectives[i].seconds for i in group)
+        floor = sum(collectives[i].unhidden_s for i in group)
+        left = max(floor, total - budget)
+        for i in group:
+            c = collectives[i]
+            hideable = c.seconds - c.unhidden_s
+            exposed[i] = c.unhidden_s + ((left - floor) * hideable / (total - floor) if total > floor else 0.0)
+    return exposed
+
+
 def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | None = None) -> Estimate:
     """Peak memory, step time, tokens/s/GPU and MFU of one layout under the cost model in the module
     docstring: the one function `plan estimate` prints and `plan search` ranks by."""
@@ -217,63 +235,35 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     hardware_factor = {"none": 1.0, "selective": 1.0 + SELECTIVE_RECOMPUTE_OVERHEAD, "full": 4 / 3}[
         layout.recompute]
     tokens = spec.global_batch_tokens
-    micro_tokens = layout.micro_batch_size * layout.seq_len / layout.cp
     h = shape.dim
-    efficiency = spec.efficiency * _size_factor(micro_tokens) * _size_factor(h / layout.tp)
-    compute = tokens * model_flops_per_token * hardware_factor / (spec.n_gpus * peak * efficiency)
+    efficiency = compute_efficiency(shape, layout, peak, acc.memory_bw, spec.efficiency, acc.attention_table)
+    imbalance = stage_imbalance(shape, layout)
+    compute = tokens * model_flops_per_token * hardware_factor * imbalance / (spec.n_gpus * peak * efficiency)
     m = layout.grad_accum
     per_micro = compute / m
-    p = layout.compute_bytes
-    layers = shape.n_layers / layout.pp
-    kv = shape.n_kv_heads * (shape.dim // shape.n_heads)
 
-    tp_comm = 0.0
-    if layout.tp > 1:
-        collectives = 6 if layout.recompute == "full" else 4
-        volume = 2 * (layout.tp - 1) / layout.tp * p * micro_tokens * h
-        tp_comm = m * layers * collectives * (volume / acc.intra_node_bw + LATENCY_INTRA_S)
-    cp_exposed = 0.0
-    if layout.cp > 1:
-        span = layout.tp * layout.cp
-        hops = 3 * (layout.cp - 1)
-        chunk = p * micro_tokens * 2 * kv / layout.tp
-        ring_s = m * layers * hops * (chunk / _bandwidth(spec, span) + _latency(spec, span))
-        attention_share = 12 * shape.n_layers * h * layout.seq_len / model_flops_per_token
-        cp_exposed = max(0.0, ring_s - spec.overlap * compute * attention_share)
-    ep_span = layout.tp * layout.cp * layout.ep
-    ep_comm = m * all_to_all_seconds(shape, micro_tokens, p, layout.ep, layers, _bandwidth(spec, ep_span),
-                                     _latency(spec, ep_span), layout.recompute)
-    pp_comm = 0.0
-    if layout.pp > 1:
-        span = 2 * layout.tp * layout.cp * layout.dp  # two neighbouring stages
-        sends = m * layout.stages_per_rank * 2
-        pp_comm = sends * (p * micro_tokens * h / _bandwidth(spec, span) + _latency(spec, span))
+    collectives = step_collectives(shape, layout, memory, network_of(spec))
+    attention_share = 12 * shape.n_layers * h * layout.seq_len / model_flops_per_token
+    budgets = {LAST_BACKWARD: spec.overlap * per_micro * 2 / 3, COMPUTE: spec.overlap * compute,
+               ATTENTION: spec.overlap * compute * attention_share}
+    exposed = exposure(collectives, budgets)
+    by_axis = {axis: sum(e for c, e in zip(collectives, exposed, strict=True) if c.axis == axis)
+               for axis in ("tp", "cp", "ep", "pp")}
+    # gathers that run inside each micro-batch stretch the pipelined part; the reductions come after it
+    dp_inside = sum(e for c, e in zip(collectives, exposed, strict=True) if c.axis == "dp" and c.hidden_by == COMPUTE)
+    dp_after = sum(e for c, e in zip(collectives, exposed, strict=True) if c.axis == "dp" and c.hidden_by != COMPUTE)
+    dp_comm = sum(c.seconds for c in collectives if c.axis == "dp")
     # the schedule's published bubble (planning.pipeline.bubble_fraction; measured: docs/parallel.md)
     bubble_fraction = bubble_fraction_of(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, m)
-    pipelined = compute + tp_comm + cp_exposed + pp_comm + ep_comm
+    pipelined = compute + sum(by_axis.values()) + dp_inside
     bubble = pipelined * bubble_fraction
-
-    group = layout.dp * layout.cp
-    dp_comm = dp_exposed = 0.0
-    if group > 1:
-        params = memory.extra["params_on_gpu"]
-        grad_bytes = 4 if (layout.precision == "fp32" or layout.fp32_grad_accum) else 2
-        span = layout.tp * group
-        link, latency = _bandwidth(spec, span), _latency(spec, span)
-        ring = (group - 1) / group
-        if layout.zero < 3:  # bucketed: one collective per ~25 MB bucket
-            dp_comm = 2 * ring * params * grad_bytes / link + latency * params * grad_bytes / 25e6
-            dp_exposed = max(0.0, dp_comm - spec.overlap * per_micro * 2 / 3)
-        else:  # per layer: gather for forward, gather for backward, reduce-scatter
-            # (split experts stay on their ranks: only their gradients are all-reduced, once per step)
-            experts = memory.extra.get("expert_params_on_gpu", 0.0)
-            dp_comm = m * (ring * (params - experts) * (2 * p + grad_bytes) / link + 3 * layers * latency)
-            dp_comm += 2 * ring * experts * grad_bytes / link
-            dp_exposed = max(0.0, dp_comm - spec.overlap * compute)
-    step = pipelined + bubble + dp_exposed
+    step = pipelined + bubble + dp_after
     tokens_per_s_per_gpu = tokens / step / spec.n_gpus
-    est = Estimate(layout, memory, compute, tp_comm, cp_exposed, pp_comm, bubble, dp_comm, dp_exposed, step,
-                   tokens_per_s_per_gpu, tokens_per_s_per_gpu * model_flops_per_token / peak, ep_comm_s=ep_comm)
+    est = Estimate(layout, memory, compute, by_axis["tp"], by_axis["cp"], by_axis["pp"], bubble, dp_comm,
+                   dp_inside + dp_after, step, tokens_per_s_per_gpu,
+                   tokens_per_s_per_gpu * model_flops_per_token / peak,
+                   ep_comm_s=by_axis["ep"], efficiency=efficiency, stage_imbalance=imbalance,
+                   collectives=collectives, exposed=exposed)
     est.reasons = _reasons(spec, est, bubble_fraction)
     return est
 
@@ -290,7 +280,7 @@ def _reasons(spec: SearchSpec, est: Estimate, bubble_fraction: float) -> list[st
         f"+ PP p2p {est.pp_comm_s:.2f} + bubble {est.bubble_s:.2f} ({bubble_fraction:.0%}) "
         f"+ DP exposed {est.dp_exposed_s:.2f} (of {est.dp_comm_s:.2f})",
     ]
-    overheads = {"tensor-parallel all-reduces": est.tp_comm_s, "context-parallel ring": est.cp_exposed_s,
+    overheads = {"tensor-parallel collectives": est.tp_comm_s, "context-parallel ring": est.cp_exposed_s,
                  "expert-parallel all-to-all": est.ep_comm_s,
                  "pipeline bubble": est.bubble_s + est.pp_comm_s, "data-parallel sync": est.dp_exposed_s}
     worst, worst_s = max(overheads.items(), key=lambda kv: kv[1])
@@ -313,7 +303,7 @@ def _reasons(spec: SearchSpec, est: Estimate, bubble_fraction: float) -> list[st
         refused = check_layout(spec.shape, lower)  # (HSDP needs ZeRO 2 or 3)
         need = 0.0 if refused else estimate_memory(spec.shape, lower, spec.activation_model).peak_bytes
         why = (f"the trainer refuses it: {refused[0]}" if refused else f"would need {need / GiB:.1f} GiB: "
-               + ("does not fit" if need > spec.usable_bytes else "fits too; the step time is the same"))
+               + ("does not fit" if need > spec.usable_bytes else "fits too"))
         reasons.append(f"ZeRO-{lay.zero} shards {sharded} over {lay.shard_group} ranks (ZeRO-{lay.zero - 1} {why})")
     return reasons
 
@@ -337,10 +327,67 @@ def search(spec: SearchSpec, top: int = 5) -> SearchResult:
         problems.append(f"no {spec.precision} peak for {spec.accelerator.name}")
     if problems:
         raise UserError(problems)
+    fitting, considered, too_big, closest = _evaluate(spec)
+    inside = considered  # layouts with every tensor-parallel group inside a node
+    across = False
+    if not fitting and spec.n_gpus > spec.gpus_per_node and "tp" not in spec.fixed:
+        # nothing fits with tensor parallelism inside a node: try groups that span nodes (slow: the network)
+        wide = replace(spec, max_tp=spec.n_gpus)
+        fitting, more, more_big, wide_closest = _evaluate(wide, lambda lay: lay.tp > spec.gpus_per_node)
+        considered, too_big, across = considered + more, too_big + more_big, bool(fitting)
+        if wide_closest and (closest is None or wide_closest[0] < closest[0]):
+            closest = wide_closest
+    fastest = max((e.tokens_per_s_per_gpu for e in fitting), default=1.0)
+    # Within 0.5 % of each other the model cannot tell layouts apart: prefer fewer moving parts.
+    fitting.sort(key=lambda e: (-math.floor(e.tokens_per_s_per_gpu / fastest * 200), _complexity(e.layout),
+                                e.memory.peak_bytes))
+    closest_est = estimate_step(spec, closest[1], closest[2]) if closest else None
+    summary = _summary(spec, fitting, considered, too_big, closest_est)
+    if across:
+        cause = "memory forces" if inside else "the fixed fields force"
+        summary.append(f"{cause} tensor parallelism across nodes: no layout with tp ≤ {spec.gpus_per_node} (one node) "
+                       + (f"fits ({inside} tried)" if inside else "is left") + f", so tp={fitting[0].layout.tp} runs "
+                       "its per-layer collectives over the network")
+    else:
+        # against the fastest layout that splits the work otherwise (not only another ZeRO stage)
+        degrees = lambda lay: (lay.tp, lay.pp, lay.cp, lay.ep, lay.micro_batch_size, lay.recompute,  # noqa: E731
+                               lay.pp_schedule, lay.stages_per_rank)
+        other = next((e for e in fitting[1:] if degrees(e.layout) != degrees(fitting[0].layout)), None)
+        if other is not None:
+            summary.append(why_first(fitting[0], other))
+    return SearchResult(spec, fitting[:top] if top else fitting, considered, too_big, closest_est, summary)
+
+
+def step_terms(est: Estimate) -> dict[str, float]:
+    """The step's parts by name (seconds on the critical path): they add up to `step_s`."""
+    return {"compute": est.compute_s, "tensor-parallel collectives": est.tp_comm_s,
+            "context-parallel ring": est.cp_exposed_s, "expert all-to-all": est.ep_comm_s,
+            "pipeline transfers": est.pp_comm_s, "pipeline bubble": est.bubble_s,
+            "data-parallel sync": est.dp_exposed_s}
+
+
+def why_first(best: Estimate, other: Estimate) -> str:
+    """One line: how much faster the winner is than the next layout and which parts of the step make it."""
+    gains = {name: other_s - best_s for (name, best_s), other_s in
+             zip(step_terms(best).items(), step_terms(other).values(), strict=True)}
+    top = sorted((kv for kv in gains.items() if abs(kv[1]) > 1e-3 * best.step_s), key=lambda kv: -abs(kv[1]))[:3]
+    faster = other.step_s / best.step_s - 1
+    parts = ", ".join(f"{name} {'−' if gain > 0 else '+'}{abs(gain) * 1e3:.0f} ms" for name, gain in top)
+    if faster < 0.005:
+        return (f"why #1: as fast as the next other split ({other.layout.describe()}) within the model's "
+                "resolution (0.5 %); it has fewer moving parts" + (f" ({parts})" if parts else ""))
+    return (f"why #1: {faster:.1%} faster than the next other split ({other.layout.describe()}): "
+            + (parts or "the same parts"))
+
+
+def _evaluate(spec: SearchSpec, keep=None):
+    """(fitting estimates, layouts considered, too big, the smallest peak among those too big)."""
     fitting: list[Estimate] = []
     considered = too_big = 0
     closest: tuple[float, Layout, MemoryBreakdown] | None = None
     for layout in constrained_layouts(spec):
+        if keep is not None and not keep(layout):
+            continue
         considered += 1
         memory = estimate_memory(spec.shape, layout, spec.activation_model)
         if memory.peak_bytes > spec.usable_bytes:
@@ -349,13 +396,7 @@ def search(spec: SearchSpec, top: int = 5) -> SearchResult:
                 closest = (memory.peak_bytes, layout, memory)
             continue
         fitting.append(estimate_step(spec, layout, memory))
-    fastest = max((e.tokens_per_s_per_gpu for e in fitting), default=1.0)
-    # Within 0.5 % of each other the model cannot tell layouts apart: prefer fewer moving parts.
-    fitting.sort(key=lambda e: (-math.floor(e.tokens_per_s_per_gpu / fastest * 200), _complexity(e.layout),
-                                e.memory.peak_bytes))
-    closest_est = estimate_step(spec, closest[1], closest[2]) if closest else None
-    summary = _summary(spec, fitting, considered, too_big, closest_est)
-    return SearchResult(spec, fitting[:top] if top else fitting, considered, too_big, closest_est, summary)
+    return fitting, considered, too_big, closest
 
 
 def _summary(spec: SearchSpec, fitting: list[Estimate], considered: int, too_big: int,

@@ -1,0 +1,161 @@
+"""`ultratron bench comm`: measure the collectives a training step issues — all-reduce, all-gather,
+reduce-scatter, all-to-all, broadcast and point-to-point — and one rank's matmul rate, on the
+machines it runs on, and write a profile (`planning/profile.py`) that `plan estimate` and `plan
+search` read with --profile.
+
+On one machine it starts --nproc processes itself (gloo on a CPU, NCCL with a GPU each); under
+torchrun (`ultratron launch` or `torchrun -m ultratron bench comm`) it uses the ranks it is given.
+Each operation runs on the whole world (across nodes when the world spans several) and, when it
+does, again on the first node's ranks alone, at message sizes from 4 KiB up to --max-bytes; each
+size is timed --repeat times after a warm-up, the median kept, the slowest rank's time counted.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ultratron.planning.comm import OPS
+from ultratron.planning.profile import FORMAT, fit_profile, write_profile
+
+
+def _sizes(max_bytes: int) -> list[int]:
+    sizes, size = [], 4096
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def _run_op(op: str, nbytes: int, group, ranks: list[int], device) -> None:
+    n = len(ranks)
+    elements = max(n, nbytes // 4 // n * n)  # fp32, divisible by the group
+    me = dist.get_rank()
+    if op == "all-reduce":
+        dist.all_reduce(torch.ones(elements, device=device), group=group)
+    elif op == "all-gather":
+        dist.all_gather_single(torch.empty(elements, device=device),
+                                    torch.ones(elements // n, device=device), group=group)
+    elif op == "reduce-scatter":
+        out = torch.empty(elements // n, device=device)
+        if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter_tensor: sum, keep a shard
+            full = torch.ones(elements, device=device)
+            dist.all_reduce(full, group=group)
+            out.copy_(full[ranks.index(me) * (elements // n):][:elements // n])
+        else:
+            dist.reduce_scatter_tensor(out, torch.ones(elements, device=device), group=group)
+    elif op == "all-to-all":
+        dist.all_to_all_single(torch.empty(elements, device=device), torch.ones(elements, device=device), group=group)
+    elif op == "broadcast":
+        dist.broadcast(torch.ones(elements, device=device), src=ranks[0], group=group)
+    elif op == "p2p":  # pairs (0,1), (2,3), ...: each sends its message to its partner and receives one
+        partner = ranks[ranks.index(me) ^ 1] if ranks.index(me) ^ 1 < n else me
+        if partner != me:
+            ops = [dist.P2POp(dist.isend, torch.ones(elements, device=device), partner, group),
+                   dist.P2POp(dist.irecv, torch.empty(elements, device=device), partner, group)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+
+def _timed(op: str, nbytes: int, group, ranks: list[int], device, repeat: int) -> float:
+    _run_op(op, nbytes, group, ranks, device)  # warm-up
+    times = []
+    for _ in range(repeat):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        _run_op(op, nbytes, group, ranks, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # the slowest rank sets the pace
+        times.append(float(elapsed))
+    return statistics.median(times)
+
+
+def matmul_rate(device, dtype, size: int, repeat: int) -> float:
+    """FLOP/s of one (size × size) @ (size × size) product, median of `repeat`."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    a @ b
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times)
+
+
+def measure(max_bytes: int, repeat: int, matmul_size: int) -> dict | None:
+    """Run on every rank of an initialised process group; rank 0 gets the profile, the others None."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    groups = [(list(range(world)), None, world > local)]
+    if world > local:
+        node = list(range(local))
+        groups.append((node, dist.new_group(node), False))
+    measurements = []
+    for ranks, group, spans in groups:
+        if rank not in ranks:
+            continue
+        for op in OPS:
+            if op == "p2p" and len(ranks) < 2:
+                continue
+            for nbytes in _sizes(max_bytes):
+                seconds = _timed(op, nbytes, group, ranks, device, repeat)
+                measurements.append({"op": op, "group": 2 if op == "p2p" else len(ranks), "spans_nodes": spans,
+                                     "bytes": nbytes, "seconds": seconds})
+    dist.barrier()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rate = torch.tensor([matmul_rate(device, dtype, matmul_size, repeat)])
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN)  # all ranks multiply at once, as in training
+    if rank:
+        return None
+    return {"format": FORMAT, "version": 1, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+            else "cpu", "backend": dist.get_backend(), "world_size": world, "gpus_per_node": local,
+            "threads_per_rank": torch.get_num_threads(), "matmul_flops": float(rate),
+            "dtype": "bf16" if dtype == torch.bfloat16 else "fp32", **fit_profile(measurements),
+            "measurements": measurements}
+
+
+def _worker(rank: int, world: int, init: str, out: str, max_bytes: int, repeat: int, matmul_size: int,
+            threads: int) -> None:
+    torch.set_num_threads(threads)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        profile = measure(max_bytes, repeat, matmul_size)
+        if profile is not None:
+            write_profile(out, profile)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_comm(out: str, nproc: int, max_bytes: int, repeat: int, matmul_size: int, threads: int) -> None:
+    """Measure and write the profile: under torchrun with its ranks, else with `nproc` local processes."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        try:
+            profile = measure(max_bytes, repeat, matmul_size)
+            if profile is not None:
+                write_profile(out, profile)
+        finally:
+            dist.destroy_process_group()
+        return
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/store"
+        mp.spawn(_worker, args=(nproc, init, out, max_bytes, repeat, matmul_size, threads), nprocs=nproc, join=True)

@@ -1,0 +1,103 @@
+"""How fast a rank computes a layout's step: the efficiency (fraction of the dense peak) of its own
+matmul and attention shapes. The FLOPs stay the model family's (`planning/flops.py`); the shapes
+only say how fast those FLOPs run.
+
+Matmuls. Each of a layer's per-rank products (tokens M of a micro-batch × K in × N out; tp splits
+N of the column-parallel ones and K of the row-parallel ones) takes
+
+    max(2·M·K·N / (MATMUL_EFFICIENCY · peak), 2·(M·K + K·N + M·N) bytes / HBM bandwidth) + MATMUL_OVERHEAD_S
+
+in forward and twice that in backward (the input and the weight gradient: the same FLOPs, the same
+operands). Measured on one H200 (bf16; `benchmarks/matmul_shapes.py`, 2026-12-04), the data in
+docs/planning.md:
+  - products alone, 294 shapes (M 256–16,384, K and N 256–16,384): the best ran at 742 TFLOP/s, 0.75
+    of the 989 TFLOP/s dense peak; `max(flops / (0.70 · peak), bytes / HBM) + 30 µs` fits them all
+    with an RMS error of 10 % (log). The memory term is what makes thin per-rank products (tp 8 and
+    more, a micro-batch of a few hundred tokens) run far below the peak. Its 30 µs per product is a
+    host synchronisation per timed product, which a training step, queuing products back to back,
+    does not pay: 5 µs (a kernel launch) is kept.
+  - whole models forward + backward (`--models`: ultratron's Llama, 8B at seq 8192 and at 4 × 2048,
+    and one tp=8 rank of the 70B and of the 8B, emulated by their per-rank shapes): inside a model
+    the same products run slower than alone, and the one constant 0.645 (the geometric-mean fit over
+    these five runs, not per layout) predicts their tokens/s at 1.20, 1.16, 0.93, 0.89 and 0.92 × the
+    measured. The whole 8B's 0.575 of peak stays over-predicted by a fifth (its large products run
+    slower inside the model than alone; not explained yet).
+
+Attention. Fused causal attention (PyTorch's `scaled_dot_product_attention`, forward + backward,
+32 heads of 128) measured on the same H200, as the rate of the *model* FLOPs the planner counts
+(12·s·h per token, the whole s×s square, though a causal kernel computes half of it) over the
+dense peak, by the sequence a rank attends over (s/cp): `ATTENTION_EFFICIENCY`, interpolated in
+log s. Short sequences run far below peak; long ones above 0.9.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ultratron.planning.experts import is_moe, moe_layer_share
+from ultratron.planning.rules import expert_ffn_dim_of, field_of, head_dim_of
+
+MATMUL_EFFICIENCY = 0.645
+MATMUL_OVERHEAD_S = 5e-6
+# (sequence a rank attends over, model-FLOP rate / dense peak): benchmarks/matmul_shapes.py on H200
+ATTENTION_EFFICIENCY = ((512, 0.023), (1024, 0.192), (2048, 0.425), (4096, 0.631), (8192, 0.908),
+                        (16384, 0.954), (32768, 0.999))
+
+
+def attention_efficiency(seq: float) -> float:
+    """The measured attention efficiency at a sequence length, interpolated in log s (clamped)."""
+    points = ATTENTION_EFFICIENCY
+    if seq <= points[0][0]:
+        return points[0][1]
+    for (s0, e0), (s1, e1) in zip(points, points[1:], strict=False):
+        if seq <= s1:
+            return e0 + (e1 - e0) * math.log(seq / s0) / math.log(s1 / s0)
+    return points[-1][1]
+
+
+def matmul_seconds(m: float, k: float, n: float, peak: float, hbm: float, p: int,
+                   efficiency: float = MATMUL_EFFICIENCY) -> float:
+    """One (m × k) @ (k × n) product's time (module docstring); `p` bytes per element."""
+    return max(2 * m * k * n / (efficiency * peak), p * (m * k + k * n + m * n) / hbm) + MATMUL_OVERHEAD_S
+
+
+def layer_matmuls(shape, tokens: float, tp: int, ep: int = 1) -> list[tuple[float, float, float, float]]:
+    """(M, K, N, how many) of one average layer's forward products on a rank, for `tokens` tokens."""
+    h, hd = shape.dim, head_dim_of(shape)
+    q, kv = shape.n_heads * hd, shape.n_kv_heads * hd
+    out = [(tokens, h, (q + 2 * kv) / tp, 1), (tokens, q / tp, h, 1)]  # qkv, output projection
+    moe = moe_layer_share(shape) if is_moe(shape) else 0.0
+    if moe < 1:
+        f = shape.ffn_dim / tp
+        out += [(tokens, h, 2 * f, 1 - moe), (tokens, f, h, 1 - moe)]  # gate+up, down (SwiGLU)
+    if moe:
+        experts, k = shape.n_experts, field_of(shape, "n_active_experts")
+        fe = expert_ffn_dim_of(shape) / tp
+        local = experts / ep  # the experts on this rank, each getting its share of ep ranks' routed slots
+        per_expert = tokens * k * ep / experts
+        out += [(per_expert, h, 2 * fe, local * moe), (per_expert, fe, h, local * moe)]
+        shared = field_of(shape, "n_shared_experts")
+        if shared:
+            out += [(tokens, h, 2 * fe * shared, moe), (tokens, fe * shared, h, moe)]
+    return out
+
+
+def compute_efficiency(shape, layout, peak: float, hbm: float, efficiency: float = MATMUL_EFFICIENCY,
+                       attention_table: bool = True) -> float:
+    """The fraction of the dense peak a rank's training compute of this layout runs at: FLOPs of
+    its matmuls and attention over their modelled time (module docstring), for one micro-batch.
+    `attention_table` False: attention at the large-matmul rate (a device the table is not from)."""
+    tokens = layout.micro_batch_size * layout.seq_len / layout.cp
+    p = layout.compute_bytes
+    flops = seconds = 0.0
+    products = [(m, k, n, c * shape.n_layers) for m, k, n, c in layer_matmuls(shape, tokens, layout.tp, layout.ep)]
+    products.append((tokens, shape.dim, shape.vocab_size / layout.tp, 1))  # the head
+    for m, k, n, count in products:
+        flops += 3 * 2 * m * k * n * count
+        seconds += 3 * matmul_seconds(m, k, n, peak, hbm, p, efficiency) * count
+    # attention: 12·s·h per token per layer (as flops.py counts it), split over tp's heads
+    attention = 12 * shape.n_layers * shape.n_heads * head_dim_of(shape) * layout.seq_len * tokens / layout.tp
+    flops += attention
+    rate = attention_efficiency(layout.seq_len / layout.cp) / MATMUL_EFFICIENCY if attention_table else 1.0
+    seconds += attention / (rate * efficiency * peak)
+    return flops / seconds / peak

@@ -1,0 +1,112 @@
+"""A measured machine profile: what `ultratron bench comm` writes and `plan estimate` / `plan search
+--profile FILE` read (torch-free). It holds the links a step's collectives run on — bus bandwidth and
+latency per operation, inside a node and, when the run spanned nodes, across — the GPUs per node,
+and the measured matmul rate of one rank while all ranks multiply at once.
+
+    {"format": "ultratron-comm-profile", "version": 1, "device": "cpu", "backend": "gloo",
+     "world_size": 4, "gpus_per_node": 4, "matmul_flops": 4.1e10, "dtype": "fp32",
+     "intra": {"all-reduce": {"bandwidth": 1.2e9, "latency": 8e-05}, ...},
+     "inter": {...} or {},
+     "measurements": [{"op", "group", "spans_nodes", "bytes", "seconds"}, ...]}
+
+Bandwidth is NCCL tests' bus bandwidth (bytes × the operation's factor in `planning.comm` / time), so
+the planner's `bytes × factor / bandwidth + latency` gives back the measured time.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from ultratron import atomic
+from ultratron.errors import UserError
+from ultratron.planning.comm import BUS_FACTORS, OPS, Link, Network
+from ultratron.planning.hardware import Accelerator, GiB
+
+FORMAT = "ultratron-comm-profile"
+
+
+def fit_link(op: str, group: int, points: list[tuple[float, float]]) -> Link:
+    """Latency and bus bandwidth from (bytes, seconds) points of one operation on one group:
+    the latency is the smallest message's time, the bandwidth the median over the larger half of
+    bytes × factor / (time − latency)."""
+    points = sorted(points)
+    latency = points[0][1]
+    factor = BUS_FACTORS[op](group)
+    large = points[len(points) // 2:]
+    rates = [b * factor / max(s - latency, 1e-12) for b, s in large]
+    return Link(statistics.median(rates), latency)
+
+
+def fit_profile(measurements: list[dict]) -> dict:
+    """{"intra": {op: {"bandwidth", "latency"}}, "inter": {...}} from raw measurements."""
+    out: dict = {"intra": {}, "inter": {}}
+    for where, spans in (("intra", False), ("inter", True)):
+        for op in OPS:
+            rows = [m for m in measurements if m["op"] == op and bool(m["spans_nodes"]) == spans]
+            if rows:
+                link = fit_link(op, rows[0]["group"], [(m["bytes"], m["seconds"]) for m in rows])
+                out[where][op] = {"bandwidth": link.bandwidth, "latency": link.latency}
+    return out
+
+
+def write_profile(path: str | Path, profile: dict) -> None:
+    atomic.write_text(Path(path), json.dumps(profile, indent=1))
+
+
+def load_profile(path: str | Path) -> dict:
+    """The profile's JSON, checked: a UserError says what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read the profile {path}: {err}") from err
+    problems = []
+    if data.get("format") != FORMAT:
+        problems.append(f"{path} is not an `ultratron bench comm` profile (format {data.get('format')!r})")
+    elif not data.get("intra") and not data.get("inter"):
+        problems.append(f"{path} holds no link measurements")
+    if problems:
+        raise UserError(problems)
+    return data
+
+
+def _links(table: dict) -> tuple[Link | None, dict]:
+    ops = {op: Link(v["bandwidth"], v["latency"]) for op, v in table.items() if op in OPS}
+    if not ops:
+        return None, {}
+    # the link's own figure (for an operation not measured): all-reduce's, else the slowest measured
+    base = ops.get("all-reduce") or min(ops.values(), key=lambda link: link.bandwidth)
+    return base, ops
+
+
+def network_of_profile(profile: dict, gpus_per_node: int | None = None) -> Network:
+    """The planner's links from a profile; a profile measured on one node uses its intra-node links
+    across nodes too (and says so in `profile_note`)."""
+    intra, intra_ops = _links(profile.get("intra", {}))
+    inter, inter_ops = _links(profile.get("inter", {}))
+    intra = intra or inter
+    intra_ops = intra_ops or inter_ops
+    return Network(gpus_per_node or profile.get("gpus_per_node", 8), intra, inter or intra, intra_ops,
+                   inter_ops or intra_ops)
+
+
+def profile_note(profile: dict) -> str:
+    if not profile.get("inter"):
+        return "the profile was measured on one node: groups across nodes are priced at its intra-node links"
+    return ""
+
+
+def accelerator_of_profile(profile: dict, memory_gib: float) -> Accelerator:
+    """A custom accelerator whose peak is the profile's measured matmul rate (the compute model then
+    runs at efficiency 1 for large products: the rate is already what they reach)."""
+    rate = profile.get("matmul_flops")
+    if not rate:
+        raise UserError("the profile has no measured matmul rate (matmul_flops): give --gpu as well")
+    net = network_of_profile(profile)
+    flops = {key: rate for key in ("bf16", "fp16", "fp32", "tf32")}
+    return Accelerator(f"measured {profile.get('device', 'device')}", flops, memory_gib * GiB, net.intra.bandwidth,
+                       net.inter.bandwidth, profile.get("gpus_per_node", 8),
+                       f"measured by ultratron bench comm ({profile.get('backend')}, {profile.get('world_size')} "
+                       f"ranks)", intra_node_latency=net.intra.latency, inter_node_latency=net.inter.latency,
+                       memory_bw=profile.get("memory_bw", 3.35e12), attention_table=False)
