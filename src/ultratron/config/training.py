@@ -140,6 +140,17 @@ class DataConfig:
                                                     "...', linear in between, held after the last")
     exhausted: str = option("repeat", "a mixture source that runs out: repeat it (counted in metrics) or stop the run",
                             choices=("repeat", "stop"))
+    format: str = option("text", "text: plain documents, every token counts in the loss; chat: JSONL of "
+                                 "{\"messages\": [{\"role\", \"content\"}, ...]} rendered with the model's chat "
+                                 "template, packed whole into sequences, the loss on the assistant turns only",
+                         choices=("text", "chat"))
+    document_masking: str = option("auto", "attention stays within each packed document and positions restart at "
+                                           "each (auto: on for chat, off for text)", choices=("auto", "on", "off"))
+
+    @property
+    def documents(self) -> bool:
+        """Whether packed documents are masked from each other (data.document_masking resolved)."""
+        return self.document_masking == "on" or (self.document_masking == "auto" and self.format == "chat")
 
 
 @dataclass
@@ -332,6 +343,13 @@ def validate(cfg: Config) -> None:
         p.append(f"training.batch_tokens={t.batch_tokens} is not divisible by micro_batch_size × seq_len × dp = "
                  f"{t.micro_batch_size} × {t.seq_len} × {par.dp} = {micro}; try {lower} or {lower + micro}")
     p += ramp_problems(cfg, micro, p) + profile_problems(t.profile_steps)
+    if cfg.data.documents and (par.cp > 1 or par.pp > 1):
+        p.append(f"document masking (data.document_masking={cfg.data.document_masking}, data.format="
+                 f"{cfg.data.format}) does not yet work with parallel.cp={par.cp} / parallel.pp={par.pp}; "
+                 "use cp=1 and pp=1, or data.document_masking=off")
+    if cfg.data.format == "chat" and cfg.data.sources:
+        p.append("data.format=chat reads data.path (conversations); data.sources (a mixture of prepared "
+                 "directories) does not take it")
     if o.lr <= 0:
         p.append(f"optim.lr must be positive, got {o.lr}")
     if not 0 <= o.min_lr_ratio <= 1:

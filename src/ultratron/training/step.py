@@ -18,6 +18,11 @@ from ultratron.training.loss import cross_entropy
 from ultratron.training.precision import autocast
 
 
+def as_micro_batch(batch: tuple) -> MicroBatch:
+    """A loader's (inputs, targets) or, under document masking, (inputs, targets, documents)."""
+    return MicroBatch(batch[0], batch[1], documents=batch[2] if len(batch) > 2 else None)
+
+
 class TrainStep:
     def __init__(self, parallel: Parallel, device: torch.device, precision: str, z_loss: float,
                  compile_loss: bool = False):
@@ -30,7 +35,7 @@ class TrainStep:
         """Accumulate the gradients of `n_micro_batches` micro-batches; returns their mean loss over
         every rank (the plain cross-entropy, without z-loss)."""
         self.runner.train(True)
-        batches = [self.axes.shard(MicroBatch(*next_batch()).to(self.device)) for _ in range(n_micro_batches)]
+        batches = [self.axes.shard(as_micro_batch(next_batch()).to(self.device)) for _ in range(n_micro_batches)]
         with self.axes.step_context(training=True):
             local = self.runner.forward_backward(batches)
         self.axes.after_backward()
@@ -41,10 +46,10 @@ class TrainStep:
         return self.runner.loss_weight(n_micro_batches)
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None) -> float:
         """The cross-entropy of one batch, no gradients (for validation): full logits in eval mode."""
         self.runner.train(False)
-        batch = self.axes.shard(MicroBatch(inputs, targets).to(self.device))
+        batch = self.axes.shard(MicroBatch(inputs, targets, documents=documents).to(self.device))
         with self.axes.step_context(training=False):
             logits = self.runner.logits(batch)
         loss = cross_entropy(logits, batch.targets)[1] if logits is not None else torch.zeros((), device=self.device)

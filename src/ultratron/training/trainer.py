@@ -81,11 +81,12 @@ class Trainer:
 
         data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "data"
         data_cfg = with_init_tokenizer(cfg.data, cfg.model.init_from)
-        self.data = self.dims.main_first(lambda: prepare_data(data_cfg, cfg.model.vocab_size, data_dir, log=self.log))
+        self.data = self.dims.main_first(lambda: prepare_data(data_cfg, cfg.model.vocab_size, data_dir, log=self.log,
+                                                              seq_len=t.seq_len))
         self.tokenizer = self.data.tokenizer
         self.train_loader = open_loader(self.data, "train", seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
                                         dp_rank=self.dims.dp_rank, dp_world=cfg.parallel.dp, seed=t.seed,
-                                        exhausted=cfg.data.exhausted)
+                                        exhausted=cfg.data.exhausted, documents=cfg.data.documents)
 
         parallel = parallelize(build_model(cfg.model, self.device), self.dims, cfg)
         self.model, self.axes = parallel.model, parallel.axes
@@ -96,7 +97,8 @@ class Trainer:
         self.state = TrainState(self.train_loader, to_dict(cfg))
         self.axes.track_state({"model": ModelState(self.model, self.optimizer), "train": self.state})
         self.validator = Validator(lambda: open_loader(self.data, "val", seq_len=t.seq_len,
-                                                       micro_batch_size=t.micro_batch_size, seed=t.seed),
+                                                       micro_batch_size=t.micro_batch_size, seed=t.seed,
+                                                       documents=cfg.data.documents),
                                    interval=cfg.eval.interval, batches=cfg.eval.batches,
                                    micro_batch_size=t.micro_batch_size, eval_loss=self.strategy.eval_loss)
         self.checkpoints = CheckpointPolicy(cfg, self.run_dir, self.dims.is_main,
