@@ -15,6 +15,7 @@ no assistant turn, or more tokens than one sequence holds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -30,6 +31,19 @@ from ultratron.data.tokenizer import Tokenizer
 from ultratron.errors import DataError
 
 REJECTS_FILE = "rejects.jsonl"
+
+
+def builtin_conversations(n: int = 3000, seed: int = 0) -> list[dict]:
+    """The built-in conversation set (data.format=chat without data.path): a task with one right
+    answer per prompt — the user sends a word of five letters a-h, the assistant answers it in
+    capitals — so a fine-tuned model can be checked exactly on words it never saw."""
+    import random
+
+    rng = random.Random(seed)
+    words = sorted({"".join(rng.choice("abcdefgh") for _ in range(5)) for _ in range(2 * n)})[:n]
+    rng.shuffle(words)
+    return [{"id": f"builtin:{w}", "messages": [{"role": "user", "content": w},
+                                                {"role": "assistant", "content": w.upper()}]} for w in words]
 
 
 def iter_records(path: str | Path) -> Iterator[tuple[str, object]]:
@@ -132,7 +146,10 @@ def prepare_chat(data_cfg, vocab_size: int, seq_len: int, out_dir: Path, log: Ca
     from ultratron.data.tokenizer import train_tokenizer
 
     if data_cfg.path is None:
-        raise DataError("data.format=chat needs data.path: a JSONL file (or a directory of them) of conversations")
+        path = out_dir / "builtin-chat.jsonl"
+        atomic.write_text(path, "".join(json.dumps(c) + "\n" for c in builtin_conversations()))
+        log(f"data: the built-in conversation set ({path}: a word → the word in capitals)")
+        data_cfg = dataclasses.replace(data_cfg, path=str(path))
     if data_cfg.tokenizer:
         tokenizer = Tokenizer.load(data_cfg.tokenizer)
         template = "its own chat template" if tokenizer.chat_template else "the default chat template"

@@ -41,7 +41,8 @@ def _fingerprint(data_cfg, vocab_size: int, seq_len: int) -> str:
            "max_bytes": data_cfg.max_bytes, "extensions": data_cfg.extensions, "vocab_size": vocab_size}
     if data_cfg.format == "chat":  # conversations are packed into sequences, and the template is the tokenizer's
         config = Path(data_cfg.tokenizer).with_name(CONFIG_FILE) if data_cfg.tokenizer else None
-        key |= {"format": "chat", "seq_len": seq_len, "content": _content_hash(Path(data_cfg.path)),
+        content = _content_hash(Path(data_cfg.path)) if data_cfg.path else "builtin"
+        key |= {"format": "chat", "seq_len": seq_len, "content": content,
                 "tokenizer_config": config.read_text() if config and config.is_file() else None}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -14,7 +14,7 @@ import torch
 
 from ultratron.parallel.axis import MicroBatch
 from ultratron.parallel.parallelize import Parallel
-from ultratron.training.loss import cross_entropy
+from ultratron.training.loss import IGNORE, cross_entropy
 from ultratron.training.precision import autocast
 
 
@@ -25,8 +25,9 @@ def as_micro_batch(batch: tuple) -> MicroBatch:
 
 class TrainStep:
     def __init__(self, parallel: Parallel, device: torch.device, precision: str, z_loss: float,
-                 compile_loss: bool = False):
+                 compile_loss: bool = False, count_loss_tokens: bool = False):
         self.axes, self.device = parallel.axes, device
+        self.count_loss_tokens, self.loss_tokens = count_loss_tokens, 0  # the last step's targets that counted
         train_loss = parallel.compiled_loss(cross_entropy, compile_loss)  # (validation's stays eager)
         self.runner = self.axes.runner(lambda logits, targets: train_loss(logits, targets, z_loss),
                                        lambda: autocast(precision, device))
@@ -39,6 +40,9 @@ class TrainStep:
         with self.axes.step_context(training=True):
             local = self.runner.forward_backward(batches)
         self.axes.after_backward()
+        if self.count_loss_tokens:  # (a collective: only where some targets do not count, e.g. chat data)
+            counted = sum((b.targets != IGNORE).sum() for b in batches)
+            self.loss_tokens = int(self.axes.sum_over_data(counted))
         return float(self.axes.average_loss(local, training=True))
 
     def loss_weight(self, n_micro_batches: int) -> float:

@@ -20,6 +20,7 @@ from ultratron.config import Config, to_dict, to_toml
 from ultratron.data.mixture import open_loader
 from ultratron.data.prepare import prepare_data
 from ultratron.errors import DeviceError
+from ultratron.models.lora import LORA_FILE, is_adapter, lora_reference
 from ultratron.models.registry import build_model
 from ultratron.models.sampling import generate
 from ultratron.parallel.parallelize import parallelize, topology
@@ -92,17 +93,21 @@ class Trainer:
         self.model, self.axes = parallel.model, parallel.axes
         self.optimizer = self.axes.wrap_optimizer(build_optimizer(self.model, cfg.optim))
         self.batch = BatchSchedule.from_config(cfg)  # tokens per step: fixed, or a ramp
-        self.strategy = TrainStep(parallel, self.device, t.precision, t.z_loss, t.compile)
+        self.strategy = TrainStep(parallel, self.device, t.precision, t.z_loss, t.compile,
+                                  count_loss_tokens=cfg.data.format == "chat")
         self.routers = RouterStats(self.model, self.axes)
         self.state = TrainState(self.train_loader, to_dict(cfg))
-        self.axes.track_state({"model": ModelState(self.model, self.optimizer), "train": self.state})
+        # under LoRA a checkpoint holds the adapters (and their optimizer state); the frozen model is
+        # model.init_from, which config.toml and lora.json name
+        model_state = ModelState(self.model, self.optimizer, select=is_adapter if cfg.lora.rank > 0 else None)
+        self.axes.track_state({"model": model_state, "train": self.state})
         self.validator = Validator(lambda: open_loader(self.data, "val", seq_len=t.seq_len,
                                                        micro_batch_size=t.micro_batch_size, seed=t.seed,
                                                        documents=cfg.data.documents),
                                    interval=cfg.eval.interval, batches=cfg.eval.batches,
                                    micro_batch_size=t.micro_batch_size, eval_loss=self.strategy.eval_loss)
-        self.checkpoints = CheckpointPolicy(cfg, self.run_dir, self.dims.is_main,
-                                            ModelState(self.model, self.optimizer), self.state, self.files, self.log)
+        self.checkpoints = CheckpointPolicy(cfg, self.run_dir, self.dims.is_main, model_state, self.state,
+                                            self.files, self.log)
         self.guard = StabilityGuard(cfg, self.checkpoints, self.train_loader, self.log)
         counts = count_params_of(cfg.model)
         self.n_params, self.n_active = counts.total, counts.active
@@ -119,7 +124,10 @@ class Trainer:
 
     def files(self) -> dict[str, str]:
         """What makes a checkpoint self-contained besides its tensors."""
-        return {"config.toml": to_toml(self.cfg), **self.tokenizer.files()}
+        files = {"config.toml": to_toml(self.cfg), **self.tokenizer.files()}
+        if self.cfg.lora.rank > 0:
+            files[LORA_FILE] = lora_reference(self.cfg)
+        return files
 
     # ---- the loop ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -202,7 +210,10 @@ class Trainer:
         return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                 "tokens": self.state.tokens, "tokens_per_sec": tokens_per_sec,
                 "step_time": elapsed, "mfu": self.mfu(tokens_per_sec), **self.train_loader.metrics(), **moe, **axes} | (
-                    {"skipped": 1} if skipped else {}) | ({"batch_tokens": tokens} if self.batch.ramped else {})
+                    {"skipped": 1} if skipped else {}) | ({"batch_tokens": tokens} if self.batch.ramped else {}) | (
+                    # chat data: the answer tokens, the only ones the loss counts (tokens and MFU count
+                    # every position computed, prompts and padding too: docs/finetune.md)
+                    {"loss_tokens": self.strategy.loss_tokens} if self.strategy.count_loss_tokens else {})
 
     def _validate(self, record_alone: bool = False) -> float | None:
         """The validation loss, logged (at step 0 also written as a metrics record of its own)."""
