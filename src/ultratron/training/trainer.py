@@ -20,7 +20,7 @@ from ultratron.config import Config, to_dict, to_toml
 from ultratron.data.mixture import open_loader
 from ultratron.data.prepare import prepare_data
 from ultratron.errors import DeviceError
-from ultratron.models.lora import LORA_FILE, is_adapter, lora_reference
+from ultratron.models.lora import LORA_FILE, count_trainable, is_adapter, lora_reference
 from ultratron.models.registry import build_model
 from ultratron.models.sampling import generate
 from ultratron.parallel.parallelize import parallelize, topology
@@ -232,6 +232,10 @@ class Trainer:
                  f"batch {t.batch_tokens:,} tokens = {cfg.grad_accum_steps} × {t.micro_batch_size} × {t.seq_len}{dp}; "
                  f"device {self.device}; precision {t.precision}")
         self.log(f"mfu: peak {self.mfu.peak / 1e12:.3g} TFLOP/s ({self.mfu.source})")
+        if cfg.lora.rank > 0:
+            trainable, total = count_trainable(self.model)
+            self.log(f"lora: rank {cfg.lora.rank} on {','.join(cfg.lora.targets)}: {trainable:,} of {total:,} "
+                     f"parameters train ({trainable / total:.2%}); the rest are frozen, without optimizer state")
         if self.batch.ramped:
             self.log(f"batch ramp: {self.batch.start:,} → {t.batch_tokens:,} tokens a step over the first "
                      f"{self.batch.ramp_tokens:,} tokens; {self.total_steps():,} steps reach {t.steps} × "
