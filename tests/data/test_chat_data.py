@@ -143,3 +143,31 @@ def test_plain_text_documents_restart_after_eos():
     assert targets.tolist() == [[6, eos, IGNORE, 8, 9, eos, IGNORE, 3]]
     inputs, targets = batch_of([(window, None)], eos, documents=False)
     assert targets.tolist() == [window[1:].tolist()] and torch.equal(inputs, torch.from_numpy(window[None, :-1]).long())
+
+
+def test_several_chat_files_are_validated_each_alone(base_tokenizer, tmp_path):
+    """With a directory of chat files, validation reports each file's loss besides the overall one;
+    at step 0 (the same weights) each equals a run on that file alone."""
+    from conftest import TINY
+    from ultratron.config import load_config
+    from ultratron.training.metrics import read_metrics
+    from ultratron.training.trainer import train
+
+    words = ["".join("abcdefgh"[(i * 7 + j * 3) % 8] for j in range(4 + i % 3)) + str(i) for i in range(240)]
+    (tmp_path / "chats").mkdir()
+    for name, task in (("upper", str.upper), ("reverse", lambda w: w[::-1])):
+        _write_jsonl(tmp_path / "chats" / f"{name}.jsonl", [
+            {"messages": [{"role": "user", "content": w}, {"role": "assistant", "content": task(w)}]} for w in words])
+    base_tokenizer.save(tmp_path / "tok" / "tokenizer.json")
+    common = TINY + ["--data.format", "chat", "--data.tokenizer", str(tmp_path / "tok" / "tokenizer.json"),
+                     "--data.held_out_fraction", "0.3", "--training.steps", "1", "--eval.interval", "1",
+                     "--eval.batches", "2"]
+    train(load_config(None, common + ["--data.path", str(tmp_path / "chats"), "--run.dir", str(tmp_path / "both")]),
+          echo=False)
+    first = next(r for r in read_metrics(tmp_path / "both") if "val_loss" in r)
+    assert {"val_loss/upper", "val_loss/reverse"} <= set(first)
+    for name in ("upper", "reverse"):
+        train(load_config(None, common + ["--data.path", str(tmp_path / "chats" / f"{name}.jsonl"),
+                                          "--run.dir", str(tmp_path / name)]), echo=False)
+        alone = next(r for r in read_metrics(tmp_path / name) if "val_loss" in r)
+        assert abs(first[f"val_loss/{name}"] - alone["val_loss"]) <= 1e-6

@@ -10,7 +10,9 @@ order, into sequences of exactly `seq_len` tokens (the rest of a sequence is EOS
 counts in nothing), so no conversation is ever cut. Conversations that cannot be trained on are
 rejects, counted by reason, logged and listed in `rejects.jsonl` beside the shards: a line that is
 not JSON, no messages, a message without a role or with an unknown one, content that is not text,
-no assistant turn, or more tokens than one sequence holds.
+no assistant turn, or more tokens than one sequence holds. With several files, each one's
+held-out conversations are also packed alone, so validation reports each file's loss besides the
+overall one.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ultratron.data.tokenizer import Tokenizer
 from ultratron.errors import DataError
 
 REJECTS_FILE = "rejects.jsonl"
+VAL_SOURCES = "val-sources"  # with several chat files: each one's held-out split, for validation per source
 
 
 def builtin_conversations(n: int = 3000, seed: int = 0) -> list[dict]:
@@ -46,16 +49,23 @@ def builtin_conversations(n: int = 3000, seed: int = 0) -> list[dict]:
                                                 {"role": "assistant", "content": w.upper()}]} for w in words]
 
 
-def iter_records(path: str | Path) -> Iterator[tuple[str, object]]:
-    """(conversation id, parsed record or Reject) of each non-empty line of a JSONL file or of
-    the .jsonl files of a directory; the id is the record's "id" or FILE:LINE."""
+def chat_files(path: str | Path) -> dict[str, Path]:
+    """The JSONL files of conversations data.path names, by their name as a source (the path
+    relative to a directory, without .jsonl)."""
     root = Path(path)
     if not root.exists():
         raise DataError(f"data.path {str(root)!r} does not exist")
     files = [root] if root.is_file() else walk_files(root, (".jsonl",))
     if not files:
         raise DataError(f"{root}: no .jsonl files of conversations (data.format=chat)")
-    for file in files:
+    return {(f.name if root.is_file() else str(f.relative_to(root))).removesuffix(".jsonl"): f for f in files}
+
+
+def iter_records(path: str | Path) -> Iterator[tuple[str, object]]:
+    """(conversation id, parsed record or Reject) of each non-empty line of a JSONL file or of
+    the .jsonl files of a directory; the id is the record's "id" or FILE:LINE."""
+    root = Path(path)
+    for file in chat_files(root).values():
         rel = file.name if root.is_file() else str(file.relative_to(root))
         with file.open("rb") as fh:
             for line_no, raw in enumerate(fh, start=1):
@@ -162,12 +172,19 @@ def prepare_chat(data_cfg, vocab_size: int, seq_len: int, out_dir: Path, log: Ca
                         "raise model.vocab_size or use a smaller tokenizer")
     tokenizer.save(out_dir / "tokenizer.json")
 
-    def split(want_held_out: bool):
-        return ((i, r) for i, r in iter_records(data_cfg.path)
+    def split(want_held_out: bool, path=data_cfg.path):
+        return ((i, r) for i, r in iter_records(path)
                 if held_out(i, data_cfg.held_out_fraction) == want_held_out)
 
     train, train_rejects = write_split(split(False), tokenizer, seq_len, out_dir / "train")
     val, val_rejects = write_split(split(True), tokenizer, seq_len, out_dir / "val")
+    val_sources = {}
+    files = chat_files(data_cfg.path)
+    if len(files) > 1:  # several files: each one's held-out conversations also alone, for validation per source
+        for n, (name, file) in enumerate(files.items()):
+            meta, _ = write_split(split(True, file), tokenizer, seq_len, out_dir / VAL_SOURCES / f"{n:04d}")
+            if meta["n_tokens"]:
+                val_sources[name] = f"{VAL_SOURCES}/{n:04d}"
     rejects = train_rejects + val_rejects
     atomic.write_text(out_dir / REJECTS_FILE, "".join(json.dumps(r) + "\n" for r in rejects))
     if not train["n_conversations"]:
@@ -176,7 +193,7 @@ def prepare_chat(data_cfg, vocab_size: int, seq_len: int, out_dir: Path, log: Ca
     keys = ("n_conversations", "n_conversation_tokens", "n_loss_tokens", "n_sequences", "n_tokens", "n_rejects")
     summary = {"format": "chat", "source": data_cfg.path, "tokenizer_vocab_size": tokenizer.vocab_size,
                "train": {k: train[k] for k in keys}, "val": {k: val[k] for k in keys},
-               "rejects": dict(Counter(r["reason"] for r in rejects))}
+               "rejects": dict(Counter(r["reason"] for r in rejects)), "val_sources": val_sources}
     for name, meta in (("train", train), ("held-out", val)):
         fill = meta["n_conversation_tokens"] / max(meta["n_tokens"], 1)
         log(f"data: {name} {meta['n_conversations']} conversations in {meta['n_sequences']} sequences of {seq_len} "

@@ -160,3 +160,25 @@ def open_loader(data: PreparedData, split: str, *, seq_len: int, micro_batch_siz
                            tuple(spec.weights[i] / total for i in keep))
     return MixtureLoader(val_spec, [ShardSet.open(data.sources[i][1]) for i in keep], seq_len=seq_len,
                          micro_batch_size=micro_batch_size, seed=seed, use_schedule=False, documents=documents)
+
+
+def source_loaders(data: PreparedData, split: str, *, seq_len: int, micro_batch_size: int, seed: int = 0,
+                   documents: bool = False) -> dict:
+    """Each source's own loader of a split, by name, for a mixture (for validation per source);
+    the held-out split of each of several chat files; empty for one dataset. Sources without that
+    split, or too small for one micro-batch, are left out."""
+    if data.mixture is None:
+        pairs = [(name, (None, val)) for name, val in (data.val_sources or {}).items()]
+    else:
+        pairs = list(zip(data.mixture.names, data.sources, strict=True))
+    out = {}
+    for name, (train, val) in pairs:
+        root = train if split == "train" else val
+        if root is None:
+            continue
+        try:
+            out[name] = TokenLoader(ShardSet.open(root), seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                    seed=seed, documents=documents)
+        except DataError:
+            continue
+    return out

@@ -32,6 +32,12 @@ class PreparedData:
     summary: dict
     mixture: MixtureSpec | None = None
     sources: tuple[tuple[Path, Path | None], ...] = ()  # a mixture's (train, val) directories, in spec order
+    val_sources: dict[str, Path] | None = None  # several chat files: each one's held-out shards, by name
+
+
+def _chat_prepared(tokenizer: Tokenizer, out_dir: Path, summary: dict) -> PreparedData:
+    return PreparedData(tokenizer, out_dir / "train", out_dir / "val" if summary["val"]["n_tokens"] else None,
+                        summary, val_sources={n: out_dir / d for n, d in summary.get("val_sources", {}).items()})
 
 
 def _fingerprint(data_cfg, vocab_size: int, seq_len: int) -> str:
@@ -144,6 +150,8 @@ def prepare_data(data_cfg, vocab_size: int, out_dir: str | Path, log: Callable[[
     if stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == fingerprint:
         summary = json.loads(stamp.read_text())
         log(f"data: reusing tokenizer and shards in {out_dir}")
+        if summary.get("format") == "chat":
+            return _chat_prepared(Tokenizer.load(out_dir / "tokenizer.json"), out_dir, summary)
         val = out_dir / "val"
         return PreparedData(Tokenizer.load(out_dir / "tokenizer.json"), out_dir / "train",
                             val if summary["val"]["n_tokens"] else None, summary)
@@ -153,8 +161,7 @@ def prepare_data(data_cfg, vocab_size: int, out_dir: str | Path, log: Callable[[
     if data_cfg.format == "chat":
         tokenizer, summary = prepare_chat(data_cfg, vocab_size, seq_len, out_dir, log)
         write_json_atomic(stamp, {"fingerprint": fingerprint, **summary})
-        return PreparedData(tokenizer, out_dir / "train", out_dir / "val" if summary["val"]["n_tokens"] else None,
-                            summary)
+        return _chat_prepared(tokenizer, out_dir, summary)
     source = "built-in corpus (Python standard library)" if data_cfg.path is None else data_cfg.path
     if next(_split(data_cfg, False), None) is None:
         raise DataError(f"no training documents found in {source} (empty files are skipped; "

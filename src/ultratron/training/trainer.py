@@ -17,7 +17,7 @@ import torch
 
 from ultratron.checkpoint.manager import ModelState
 from ultratron.config import Config, to_dict, to_toml
-from ultratron.data.mixture import open_loader
+from ultratron.data.mixture import open_loader, source_loaders
 from ultratron.data.prepare import prepare_data
 from ultratron.errors import DeviceError
 from ultratron.models.lora import LORA_FILE, count_trainable, is_adapter, lora_reference
@@ -105,7 +105,10 @@ class Trainer:
                                                        micro_batch_size=t.micro_batch_size, seed=t.seed,
                                                        documents=cfg.data.documents),
                                    interval=cfg.eval.interval, batches=cfg.eval.batches,
-                                   micro_batch_size=t.micro_batch_size, eval_loss=self.strategy.eval_loss)
+                                   micro_batch_size=t.micro_batch_size, eval_loss=self.strategy.eval_loss,
+                                   open_sources=lambda: source_loaders(self.data, "val", seq_len=t.seq_len,
+                                                                       micro_batch_size=t.micro_batch_size,
+                                                                       seed=t.seed, documents=cfg.data.documents))
         self.checkpoints = CheckpointPolicy(cfg, self.run_dir, self.dims.is_main, model_state, self.state,
                                             self.files, self.log)
         self.guard = StabilityGuard(cfg, self.checkpoints, self.train_loader, self.log)
@@ -149,6 +152,7 @@ class Trainer:
                 losses.append(record["loss"])
                 if self.validator.due(self.step, at_end=self.step == total) and (new := self._validate()) is not None:
                     val = record["val_loss"] = new
+                    record |= {f"val_loss/{name}": loss for name, loss in self.validator.per_source.items()}
                 if (evaluating := self.periodic.evaluating) is not None:
                     # its child was started before this step and is alive after it: it ran throughout
                     record["eval_running"] = evaluating
@@ -219,9 +223,12 @@ class Trainer:
         """The validation loss, logged (at step 0 also written as a metrics record of its own)."""
         val = self.validator.run() if self.validator.interval > 0 else None
         if val is not None:
-            self.log(f"step {self.step}: validation loss {val:.4f}")
+            sources = self.validator.per_source
+            each = " (" + ", ".join(f"{name} {loss:.4f}" for name, loss in sources.items()) + ")" if sources else ""
+            self.log(f"step {self.step}: validation loss {val:.4f}{each}")
             if record_alone:
-                self.log.record({"step": self.step, "val_loss": val})
+                self.log.record({"step": self.step, "val_loss": val,
+                                 **{f"val_loss/{name}": loss for name, loss in sources.items()}})
         return val
 
     def _describe(self) -> None:
