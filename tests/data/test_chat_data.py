@@ -96,16 +96,18 @@ def test_chat_shards_pack_whole_conversations_and_report_rejects(base_tokenizer,
            {"messages": [{"content": "x"}, {"role": "assistant", "content": "y"}]},
            {"messages": [{"role": "user", "content": "long"}, {"role": "assistant", "content": long_answer}]}]
     path = tmp_path / "chat.jsonl"
-    _write_jsonl(path, good[:3] + bad + good[3:])
+    _write_jsonl(path, good[:3] + bad + good[3:] + [good[1]])  # the last one a copy
     base_tokenizer.save(tmp_path / "tok" / "tokenizer.json")
     cfg = SimpleNamespace(path=str(path), tokenizer=str(tmp_path / "tok" / "tokenizer.json"), held_out_fraction=0.0)
     logs = []
     tokenizer, summary = prepare_chat(cfg, 512, seq_len, tmp_path / "out", logs.append)
-    assert summary["rejects"] == {"invalid_json": 1, "no_assistant_turn": 1, "missing_role": 1, "too_long": 1}
+    assert summary["rejects"] == {"invalid_json": 1, "no_assistant_turn": 1, "missing_role": 1, "too_long": 1,
+                                  "duplicate": 1}
     assert summary["train"]["n_conversations"] == len(good)
     rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
-    assert [r["id"] for r in rejects] == ["chat.jsonl:4", "chat.jsonl:5", "chat.jsonl:6", "chat.jsonl:7"]
-    assert any("4 conversations rejected" in line for line in logs)
+    assert [r["id"] for r in rejects] == ["chat.jsonl:4", "chat.jsonl:5", "chat.jsonl:6", "chat.jsonl:7",
+                                          "chat.jsonl:13"]
+    assert any("5 conversations rejected" in line for line in logs)
 
     shards = ShardSet.open(tmp_path / "out" / "train")
     tokens, flags = np.asarray(shards.tokens[0]), np.asarray(shards.flags[0])

@@ -10,7 +10,8 @@ order, into sequences of exactly `seq_len` tokens (the rest of a sequence is EOS
 counts in nothing), so no conversation is ever cut. Conversations that cannot be trained on are
 rejects, counted by reason, logged and listed in `rejects.jsonl` beside the shards: a line that is
 not JSON, no messages, a message without a role or with an unknown one, content that is not text,
-no assistant turn, or more tokens than one sequence holds. With several files, each one's
+no assistant turn, more tokens than one sequence holds, or the same messages as an earlier
+conversation (exact deduplication, before the train/held-out split). With several files, each one's
 held-out conversations are also packed alone, so validation reports each file's loss besides the
 overall one.
 """
@@ -18,6 +19,7 @@ overall one.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -172,8 +174,11 @@ def prepare_chat(data_cfg, vocab_size: int, seq_len: int, out_dir: Path, log: Ca
                         "raise model.vocab_size or use a smaller tokenizer")
     tokenizer.save(out_dir / "tokenizer.json")
 
+    duplicate = _duplicates(data_cfg.path)
+
     def split(want_held_out: bool, path=data_cfg.path):
-        return ((i, r) for i, r in iter_records(path)
+        return ((i, Reject("duplicate", "the same messages as an earlier conversation") if dup else r)
+                for (i, r), dup in zip(iter_records(path), duplicate[str(path)], strict=True)
                 if held_out(i, data_cfg.held_out_fraction) == want_held_out)
 
     train, train_rejects = write_split(split(False), tokenizer, seq_len, out_dir / "train")
@@ -202,6 +207,24 @@ def prepare_chat(data_cfg, vocab_size: int, seq_len: int, out_dir: Path, log: Ca
         log(f"data: {len(rejects)} conversations rejected ({_reasons(rejects)}); each is listed in "
             f"{out_dir / REJECTS_FILE}, e.g. {rejects[0]['id']}: {rejects[0]['detail']}")
     return tokenizer, summary
+
+
+def _duplicates(path) -> dict[str, list[bool]]:
+    """Exact deduplication before the split (a copy never lands on both sides of it): for
+    data.path and each of its files, in reading order, whether a record's messages equal an
+    earlier record's (of any file)."""
+    seen: set[str] = set()
+    flags: dict[str, list[bool]] = {}
+    for file in chat_files(path).values():
+        mine = flags[str(file)] = []
+        for _, record in iter_records(file):
+            messages = record.get("messages") if isinstance(record, dict) else None
+            key = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest() if messages else None
+            mine.append(key is not None and key in seen)
+            if key is not None:
+                seen.add(key)
+    flags[str(path)] = [d for f in chat_files(path).values() for d in flags[str(f)]]
+    return flags
 
 
 def _reasons(rejects: list[dict]) -> str:
