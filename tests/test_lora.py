@@ -130,3 +130,26 @@ def test_peft_loads_the_adapter_onto_the_transformers_model(exported):
         want = model(tokens)
         got = peft.PeftModel.from_pretrained(fresh, str(peft_dir)).eval()(tokens).logits
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_a_lora_run_resumes_exactly_from_its_adapter_checkpoint(tiny_overrides, tmp_path):
+    """The checkpoint holds the adapters and their optimizer state; resuming reads the frozen
+    model from model.init_from again and continues as if never stopped."""
+    from ultratron.config import load_config
+    from ultratron.training.metrics import read_metrics
+    from ultratron.training.trainer import train
+
+    base = tiny_overrides[:-1] + [str(tmp_path / "base")]  # (the last flag is --run.dir's value)
+    train(load_config(None, base + ["--training.steps", "2"]), echo=False)
+    lora = tiny_overrides[:-2] + ["--model.init_from", str(tmp_path / "base"), "--lora.rank", "4",
+                                  "--training.steps", "6", "--optim.lr", "1e-2", "--optim.warmup_steps", "1",
+                                  "--eval.interval", "0", "--checkpoint.async_save", "false"]
+    train(load_config(None, lora + ["--run.dir", str(tmp_path / "whole")]), echo=False)
+    split = lora + ["--run.dir", str(tmp_path / "split")]
+    train(load_config(None, split + ["--training.stop_after", "3"]), echo=False)
+    train(load_config(None, split + ["--checkpoint.resume", "auto"]), echo=False)
+    whole = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "whole") if "loss" in r}
+    resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "split") if "loss" in r}
+    assert sorted(resumed) == list(range(1, 7))
+    assert all(abs(whole[s] - resumed[s]) <= 1e-6 for s in range(4, 7)), (whole, resumed)
+    assert whole[6] < whole[1]
