@@ -207,6 +207,14 @@ def test_a_template_that_raises_is_a_400_and_no_template_is_the_plain_one():
     history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
                {"role": "user", "content": "z"}]
     assert chat_prompt(history, Tok()) == "### User\nx\n\n### Assistant\ny</s>\n\n### User\nz\n\n### Assistant\n"
+    # the default template written out by an export and read back by an import is still the default
+    from ultratron.serving.chat import CHAT_STOP, DEFAULT_CHAT_TEMPLATE, chat_stops
+
+    assert chat_stops(Tok()) == (CHAT_STOP,)
+    Tok.chat_template = DEFAULT_CHAT_TEMPLATE
+    assert chat_stops(Tok()) == (CHAT_STOP,) and chat_prompt(history, Tok()).endswith("### Assistant\n")
+    Tok.chat_template = "{{ messages[0]['content'] }}"
+    assert chat_stops(Tok()) == ()
 
 
 def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(model):

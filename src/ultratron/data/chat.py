@@ -114,10 +114,11 @@ def chat_prompt(messages: list[dict], tokenizer=None) -> str:
 
 
 def chat_stops(tokenizer) -> tuple[str, ...]:
-    """Stop strings a chat completion adds: the plain template's next turn (for models never
-    trained to end their turn); a model's own template ends the turn with its end-of-text token,
-    which stops generation anyway."""
-    return () if getattr(tokenizer, "chat_template", None) else (CHAT_STOP,)
+    """Stop strings a chat completion adds: the default template's next turn (for models never
+    trained to end their turn; also when an export wrote the default template out and it came
+    back with an import); a model's own template ends the turn with its end-of-text token, which
+    stops generation anyway."""
+    return (CHAT_STOP,) if chat_template_of(tokenizer) == DEFAULT_CHAT_TEMPLATE else ()
 
 
 # ---- training: a conversation → tokens and the loss mask -------------------------------------
