@@ -161,16 +161,38 @@ def test_full_finetuning_answers_held_out_prompts_through_the_server(finetuned):
     assert all(0 < r["loss_tokens"] <= 8 * 3 * 8 for r in steps)  # ≤ 3 conversations a row of 128, 8 rows
 
 
-def test_lora_learns_a_new_task_and_exports_to_transformers_and_peft(finetuned, tmp_path):
-    from ultratron.checkpoint.hf import export_hf, export_peft
+@pytest.fixture(scope="module")
+def lora_run(finetuned, tmp_path_factory):
+    """Rank-8 adapters on v and o of the fine-tuned model, trained on the new ending; their served
+    answers to the held-out words."""
+    root, full, held, train_words = finetuned
+    out = tmp_path_factory.mktemp("lora")
+    data = _chat_file(out / "shout.jsonl", "shout", train_words)
+    result = _train(root / "full" / "config.toml", out / "lora", data, 150, 2e-2, "--model.init_from",
+                    str(full.checkpoint), "--lora.rank", "8", "--lora.alpha", "16", "--lora.targets", "v,o")
+    return out, result.checkpoint, _served_answers(result.checkpoint, held)
+
+
+def _greedy(directory, model, word):
+    """transformers' greedy answer, with the exported tokenizer's chat template."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": word}], add_generation_prompt=True,
+                                           tokenize=False)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_lora_learns_a_new_ending_and_the_merged_export_answers_as_the_server(finetuned, lora_run, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ultratron.checkpoint.hf import export_hf
     from ultratron.checkpoint.inference import load_for_inference, read_lora
     from ultratron.models.registry import build_model
 
-    root, full, held, train_words = finetuned
-    data = _chat_file(tmp_path / "shout.jsonl", "shout", train_words)
-    result = _train(root / "full" / "config.toml", tmp_path / "lora", data, 150, 2e-2, "--model.init_from",
-                    str(full.checkpoint), "--lora.rank", "8", "--lora.alpha", "16", "--lora.targets", "v,o")
-    ckpt = result.checkpoint
+    root, full, held, _ = finetuned
+    _, ckpt, answers = lora_run
     reference = json.loads((ckpt / "lora.json").read_text())
     assert reference == {"rank": 8, "alpha": 16.0, "targets": ["v", "o"], "base": str(full.checkpoint.resolve())}
     cfg = load_config(ckpt / "config.toml")
@@ -178,36 +200,34 @@ def test_lora_learns_a_new_task_and_exports_to_transformers_and_peft(finetuned, 
     trainable = sum(p.numel() for n, p in adapted.named_parameters() if n.endswith(("lora_a", "lora_b")))
     assert trainable / sum(p.numel() for p in adapted.parameters()) < 0.05
     # the checkpoint holds the adapters (and their optimizer state), nothing of the frozen model
-    from torch.distributed.checkpoint import FileSystemReader
-
     metadata = FileSystemReader(str(ckpt / "dcp")).read_metadata().state_dict_metadata
     saved = [k for k in metadata if k.startswith("app.model.")]
     assert saved and all(k.endswith((".lora_a", ".lora_b")) for k in saved)
-    answers = _served_answers(ckpt, held)
     want = {w: TASKS["shout"](w) for w in held}
     assert sum(answers[w] == want[w] for w in held) / len(held) >= 0.9, answers
 
-    # transformers on the merged export, and on the fine-tuned model's export with peft's adapter
+    # transformers on the merged export gives the server's greedy answers
     loaded = load_for_inference(ckpt)
     export_hf(loaded.model, loaded.tokenizer, tmp_path / "merged")
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "merged"))
     some = held[:8]
+    assert {w: _greedy(tmp_path / "merged", merged, w) for w in some} == {w: answers[w] for w in some}
 
-    def greedy(model, word):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": word}], add_generation_prompt=True,
-                                               tokenize=False)
-        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-        out = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.eos_token_id)
-        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
-    assert {w: greedy(merged, w) for w in some} == {w: answers[w] for w in some}
-    export_peft(adapted, cfg.lora, tmp_path / "adapter")
+def test_peft_with_the_exported_adapter_answers_as_the_server(finetuned, lora_run, tmp_path):
+    from ultratron.checkpoint.hf import export_hf, export_peft
+    from ultratron.checkpoint.inference import load_for_inference, read_lora
+    from ultratron.models.registry import build_model
+
+    _, full, held, _ = finetuned
+    _, ckpt, answers = lora_run
+    cfg = load_config(ckpt / "config.toml")
+    export_peft(read_lora(cfg, ckpt, build_model(cfg.model)), cfg.lora, tmp_path / "adapter")
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
-    peft = pytest.importorskip("peft")
+    peft = pytest.importorskip("peft")  # in the test extra; skipped where it is not installed
     base = load_for_inference(full.checkpoint)
     export_hf(base.model, base.tokenizer, tmp_path / "base")
     with_adapter = peft.PeftModel.from_pretrained(
         transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")), str(tmp_path / "adapter")).eval()
-    assert {w: greedy(with_adapter, w) for w in some} == {w: answers[w] for w in some}
+    some = held[:8]
+    assert {w: _greedy(tmp_path / "base", with_adapter, w) for w in some} == {w: answers[w] for w in some}
