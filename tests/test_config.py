@@ -87,8 +87,8 @@ def test_bad_config_on_the_command_line_gives_one_line_and_no_traceback():
 
 
 def test_config_is_a_plain_dataclass_tree():
-    assert set(vars(Config())) == {"model", "parallel", "training", "optim", "data", "checkpoint", "stability",
-                                   "health", "eval", "run"}
+    assert set(vars(Config())) == {"model", "parallel", "training", "optim", "data", "lora", "checkpoint",
+                                   "stability", "health", "eval", "run"}
 
 
 def test_example_configs_load():
@@ -113,3 +113,22 @@ def test_show_config_round_trips_through_a_file(tmp_path):
     again = run_cli("train", "--config", str(path), "--show-config")
     assert again.returncode == 0 and again.stdout == shown.stdout
     assert not (tmp_path / "run").exists()  # showing the config starts nothing
+
+
+def test_chat_and_lora_settings_are_checked_before_anything_starts():
+    from ultratron.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["--data.format", "chat", "--parallel.cp", "2", "--lora.rank", "8",
+                           "--lora.targets", "q,x"])
+    text = str(err.value)
+    assert "lora.targets: 'x' is not one of q, k, v, o, gate, up, down" in text
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["--data.format", "chat", "--parallel.cp", "2", "--lora.rank", "8"])
+    text = str(err.value)
+    assert "document masking" in text and "parallel.cp=2" in text and "model.init_from" in text
+    assert "LoRA (lora.rank=8) does not yet work with tp, pp, cp or ep > 1" in text
+    cfg = load_config(None, ["--data.format", "chat"])
+    assert cfg.data.documents and not load_config(None, []).data.documents
+    assert load_config(None, ["--data.document_masking", "on"]).data.documents
+    assert load_config(None, ["--lora.targets", "v,o"]).lora.targets == ["v", "o"]

@@ -229,3 +229,25 @@ def test_a_batch_ramp_over_a_mixture_resumes_exactly(prepared_sources, tmp_path)
     for step in range(4, len(full) + 1):
         assert abs(full[step]["loss"] - resumed[step]["loss"]) <= 1e-6
         assert full[step]["tokens/a"] + full[step]["tokens/b"] == full[step]["tokens"] == resumed[step]["tokens"]
+
+
+def test_validation_loss_is_logged_per_source(prepared_sources, tmp_path):
+    """Each source's validation loss is that source's held-out split alone: at step 0 (the same
+    initial weights) exactly what a run on that source alone reports, besides the mixture's own."""
+    from conftest import TINY
+    from ultratron.config import load_config
+    from ultratron.training.metrics import read_metrics
+    from ultratron.training.trainer import train
+
+    root = prepared_sources
+    both = TINY + ["--training.steps", "2", "--eval.interval", "2", "--eval.batches", "2"]
+    train(load_config(None, both + ["--data.sources", f"a={root / 'a'},b={root / 'b'}", "--run.dir",
+                                    str(tmp_path / "mix")]), echo=False)
+    records = {r["step"]: r for r in read_metrics(tmp_path / "mix") if "val_loss" in r}
+    assert sorted(records) == [0, 2] and {"val_loss/a", "val_loss/b"} <= set(records[2])
+    for name in ("a", "b"):
+        train(load_config(None, both + ["--data.path", str(root / name), "--run.dir", str(tmp_path / name),
+                                        "--training.steps", "1", "--eval.interval", "1"]), echo=False)
+        alone = next(r for r in read_metrics(tmp_path / name) if "val_loss" in r)
+        assert alone["step"] == 0 and abs(records[0][f"val_loss/{name}"] - alone["val_loss"]) <= 1e-6
+    assert records[0]["val_loss/a"] != records[0]["val_loss/b"]

@@ -174,6 +174,23 @@ def test_the_tokenizers_chat_template_is_used(http):
     assert info["chat_template"] == TEMPLATE
 
 
+def test_content_as_text_parts_is_the_string_and_other_parts_are_a_400_naming_them(http):
+    url, _, tokenizer = http
+    as_string = [{"role": "user", "content": "def add"}]
+    as_parts = [{"role": "user", "content": [{"type": "text", "text": "def "}, {"type": "text", "text": "add"}]}]
+    tokens = [json.loads(_post(url, "/tokenize", {"messages": m})[1])["tokens"] for m in (as_string, as_parts)]
+    assert tokens[0] == tokens[1] == tokenizer.encode("<|user|>def add<|assistant|>")
+    status, text = _post(url, "/v1/chat/completions", {"model": "ultratron", "messages": as_parts, "max_tokens": 2,
+                                                       "temperature": 0})
+    assert status == 200 and json.loads(text)["usage"]["prompt_tokens"] == len(tokens[0])
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    status, text = _post(url, "/v1/chat/completions", {"model": "ultratron", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "what is this"}, image, {"type": "input_audio"}]}]})
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == "messages"
+    assert "image_url" in error["message"] and "input_audio" in error["message"]
+
+
 def test_a_template_that_raises_is_a_400_and_no_template_is_the_plain_one():
     from ultratron.serving.chat import TemplateError, chat_prompt
 
@@ -186,6 +203,18 @@ def test_a_template_that_raises_is_a_400_and_no_template_is_the_plain_one():
     Tok.chat_template = None
     assert chat_prompt([{"role": "user", "content": "x"}], Tok()) == "### User\nx\n\n### Assistant\n"
     assert chat_prompt([{"role": "user", "content": "x"}]) == "### User\nx\n\n### Assistant\n"  # no tokenizer
+    # an earlier answer ends with the end-of-text token, as the model was trained on it (data/chat.py)
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+               {"role": "user", "content": "z"}]
+    assert chat_prompt(history, Tok()) == "### User\nx\n\n### Assistant\ny</s>\n\n### User\nz\n\n### Assistant\n"
+    # the default template written out by an export and read back by an import is still the default
+    from ultratron.serving.chat import CHAT_STOP, DEFAULT_CHAT_TEMPLATE, chat_stops
+
+    assert chat_stops(Tok()) == (CHAT_STOP,)
+    Tok.chat_template = DEFAULT_CHAT_TEMPLATE
+    assert chat_stops(Tok()) == (CHAT_STOP,) and chat_prompt(history, Tok()).endswith("### Assistant\n")
+    Tok.chat_template = "{{ messages[0]['content'] }}"
+    assert chat_stops(Tok()) == ()
 
 
 def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(model):

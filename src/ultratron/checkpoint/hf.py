@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ultratron.atomic import atomic_path
+from ultratron.data.chat import chat_template_of
 from ultratron.errors import ExportError
 from ultratron.models.family import HFAdapter
 from ultratron.models.registry import hf_adapter_of, model_args
@@ -64,7 +65,43 @@ def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "float32") -> 
             "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eos_token, "bos_token": bos,
             "pad_token": None, "unk_token": None, "model_max_length": args.max_seq_len,
             "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False,
-            **({"chat_template": tokenizer.chat_template} if tokenizer.chat_template else {})})
+            "chat_template": chat_template_of(tokenizer)})  # its own, or the one ultratron trained and serves with
         write_json("special_tokens_map.json", {"eos_token": tokenizer.eos_token,
                                                **({"bos_token": bos} if bos else {})})
+    return out
+
+
+def export_peft(model, lora_cfg, out_dir: str | Path, base: str | None = None) -> Path:
+    """Write `model`'s LoRA adapters (`models/lora.py`) as a peft adapter directory
+    (adapter_config.json, adapter_model.safetensors) for the Hugging Face export of the model under
+    them: each adapter under its layer's transformers name, B's rows in that layer's layout (the
+    RoPE row order of q and k), A as it is."""
+    from safetensors.torch import save_file
+
+    adapter, args = hf_adapter_of(model), model_args(model)
+    state = model.state_dict()
+    weight_map = adapter.weight_map(args)
+    tensors, modules = {}, set()
+    for name in sorted(k.removesuffix(".lora_a") for k in state if k.endswith(".lora_a")):
+        mapped = weight_map[f"{name}.weight"]
+        (hf_weight,) = mapped.hf
+        layer = hf_weight.removesuffix(".weight")
+        (b,) = mapped.to_hf(state[f"{name}.lora_b"])
+        tensors[f"base_model.model.{layer}.lora_A.weight"] = state[f"{name}.lora_a"].float().contiguous().clone()
+        tensors[f"base_model.model.{layer}.lora_B.weight"] = b.float().contiguous().clone()
+        modules.add(layer.rsplit(".", 1)[-1])
+    if not tensors:
+        raise ExportError("the checkpoint holds no LoRA adapters (lora.rank = 0); export hf writes the whole model")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ExportError(f"{out} exists and is not empty; choose a new --out directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha,
+              "target_modules": sorted(modules), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+              "modules_to_save": None, "base_model_name_or_path": base}
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out

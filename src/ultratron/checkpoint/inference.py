@@ -15,7 +15,8 @@ from ultratron.checkpoint.store import LATEST, CheckpointRoot, resolve_checkpoin
 from ultratron.config import Config, load_config
 from ultratron.data.tokenizer import Tokenizer
 from ultratron.errors import CheckpointError
-from ultratron.models.registry import build_model
+from ultratron.models.lora import apply_lora, is_adapter, merged_state
+from ultratron.models.registry import build_model, plan_of
 
 
 @dataclass
@@ -37,9 +38,32 @@ def load_for_inference(checkpoint: str | Path, device: str | torch.device = "cpu
     ckpt_dir = resolve_checkpoint_dir(checkpoint)
     cfg = load_config(ckpt_dir / "config.toml")
     model = _model(cfg, device)
-    read_checkpoint(ckpt_dir, ModelState(model))
+    if cfg.lora.rank > 0:
+        model = _merged_lora(cfg, ckpt_dir, model, device)
+    else:
+        read_checkpoint(ckpt_dir, ModelState(model))
     tokenizer = Tokenizer.load(ckpt_dir / "tokenizer.json")
     return LoadedModel(model, tokenizer, cfg, ckpt_dir, step_of(ckpt_dir))
+
+
+def read_lora(cfg: Config, ckpt_dir: Path, model: torch.nn.Module) -> torch.nn.Module:
+    """`model` (built from cfg) with the weights of the base checkpoint model.init_from and the
+    adapters of `ckpt_dir` on them (`models/lora.py`)."""
+    if not cfg.model.init_from:
+        raise CheckpointError(f"{ckpt_dir} holds LoRA adapters, but its config names no model.init_from under them")
+    base = resolve_checkpoint_dir(cfg.model.init_from)
+    read_checkpoint(base, ModelState(model, select=lambda name: not is_adapter(name)))
+    apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, plan_of(model).lora_targets)
+    read_checkpoint(ckpt_dir, ModelState(model, select=is_adapter))
+    return model
+
+
+def _merged_lora(cfg: Config, ckpt_dir: Path, model: torch.nn.Module, device) -> torch.nn.Module:
+    """A LoRA checkpoint as the plain model that computes the same: W + (alpha / rank) · B A."""
+    adapted = read_lora(cfg, ckpt_dir, model)
+    merged = _model(cfg, device)
+    merged.load_state_dict(merged_state(adapted.state_dict(), cfg.lora.alpha / cfg.lora.rank))
+    return merged
 
 
 def _model(cfg: Config, device) -> torch.nn.Module:

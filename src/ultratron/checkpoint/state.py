@@ -14,10 +14,12 @@ so the checkpoint has the same keys in every layout.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -99,27 +101,37 @@ class ModelState(Stateful):
     """Model weights, and optionally the optimizer state, of any layout. Only the per-parameter
     optimizer state is loaded: hyperparameters (lr, betas, weight decay) come from this run's config."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 select: Callable[[str], bool] | None = None):
+        """`select`: which of the model's tensors (by name) are saved and loaded, e.g. only LoRA's
+        adapters (their frozen model is another checkpoint); None: all."""
+        self.model, self.optimizer, self.select = model, optimizer, select
+
+    def _model_state(self, state: dict) -> dict:
+        return state if self.select is None else {k: v for k, v in state.items() if self.select(k)}
+
+    def _set_model_state(self, state: dict) -> None:
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=self.select is None))
 
     def state_dict(self) -> dict:
         if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model)}
+            return {"model": self._model_state(get_model_state_dict(self.model))}
         if _is_zero1(self.optimizer):
-            return {"model": get_model_state_dict(self.model),
+            return {"model": self._model_state(get_model_state_dict(self.model)),
                     "optimizer": _zero1_owned_state(self.model, self.optimizer)}
         with _gradients_set_aside(self.model, self.optimizer):
             model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state,
+        return {"model": self._model_state(model_state),
                 "optimizer": {"state": _to_original_names(optim_state["state"], _copies(self.model))}}
 
     def load_state_dict(self, state: dict) -> None:
         if self.optimizer is None or _is_zero1(self.optimizer):
-            set_model_state_dict(self.model, state["model"])  # ZeRO-1: its state was filled in place
+            self._set_model_state(state["model"])  # ZeRO-1: its state was filled in place
             return
         # set_state_dict wants the param groups too: this run's own, keyed by name as in the state.
         with _gradients_set_aside(self.model, self.optimizer):
             _, current = get_state_dict(self.model, self.optimizer)
         optim = _to_own_names(state["optimizer"]["state"], _copies(self.model), set(current["state"]))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict={"state": optim, "param_groups": current["param_groups"]})
+                       optim_state_dict={"state": optim, "param_groups": current["param_groups"]},
+                       options=StateDictOptions(strict=self.select is None))

@@ -32,6 +32,8 @@ from ultratron.models.presets import PRESETS, ModelShape
 from ultratron.planning import hardware
 from ultratron.planning.compute import MATMUL_EFFICIENCY
 from ultratron.planning.layout import Layout
+from ultratron.planning.lora import TARGETS as LORA_TARGETS
+from ultratron.planning.lora import adapter_params
 from ultratron.planning.memory import ACTIVATION_MODELS, GiB, MemoryBreakdown, estimate_memory_per_rank
 from ultratron.planning.params import count_params_of
 from ultratron.planning.rules import shape_problems
@@ -50,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      "fields of the same names")
     mem.add_argument("--json", action="store_true", help="print JSON (with peak_bytes) instead of a table")
     mem.add_argument("--chart", metavar="PNG", help="stacked bars of the terms per layout")
+    mem.add_argument("--lora-rank", type=int, default=0,
+                     help="LoRA adapters of this rank on the frozen model (the trainer's lora.rank); 0: none")
+    mem.add_argument("--lora-targets", default="q,k,v,o,gate,up,down", help="the adapted layers (lora.targets)")
     mem.set_defaults(plan_run=run_memory)
 
     est = sub.add_parser("estimate", help="peak memory, step time, tokens/s/GPU and MFU of one layout")
@@ -218,9 +223,16 @@ def run_memory(args) -> int:
     results: list[tuple[Layout, MemoryBreakdown]] = []
     per_rank: list[list[MemoryBreakdown]] = []
     problems: list[str] = []
+    lora = None
+    if args.lora_rank > 0:
+        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown or args.lora_rank < 0:
+            raise UserError(f"--lora-targets: {', '.join(unknown)} not among {', '.join(LORA_TARGETS)}")
+        lora = (args.lora_rank, targets)
     for layout in layouts:
         try:
-            ranks = estimate_memory_per_rank(shape, layout, args.activation_model)
+            ranks = estimate_memory_per_rank(shape, layout, args.activation_model, lora)
         except UserError as err:
             problems += [f"{layout.describe()}: {p}" for p in err.problems]
             continue
@@ -232,6 +244,7 @@ def run_memory(args) -> int:
     if args.json:
         print(json.dumps({
             "model": asdict(shape), "params": counts.total, "activation_model": args.activation_model,
+            "lora_params": adapter_params(shape, *lora) if lora else 0,
             "peak_bytes": max(m.peak_bytes for _, m in results),
             "layouts": [{"layout": asdict(lay), "describe": lay.describe(), **mem.as_dict(),
                          "pipeline_ranks": [r.as_dict() for r in ranks] if lay.pp > 1 else []}
@@ -241,6 +254,11 @@ def run_memory(args) -> int:
         active = f" ({counts.active / 1e9:.3f}B active per token)" if counts.active != counts.total else ""
         print(f"model: {args.model or 'custom'} — {counts.total / 1e9:.3f}B parameters{active}; activations: "
               f"{args.activation_model}; GiB on the heaviest GPU")
+        if lora is not None:
+            trainable = adapter_params(shape, *lora)
+            print(f"lora: rank {lora[0]} on {','.join(lora[1])}: {trainable / 1e6:.2f}M trainable parameters "
+                  f"({trainable / (counts.total + trainable):.2%}); the model's own weights frozen: their "
+                  "parameters only, gradients and optimizer state for the adapters alone")
         header = ["term"] + [f"#{i + 1}" for i in range(len(results))]
         rows = [[term] + [gib(getattr(m, term)) for _, m in results] for term in MemoryBreakdown.TERMS]
         rows.append(["peak"] + [gib(m.peak_bytes) for _, m in results])

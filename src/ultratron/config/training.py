@@ -124,9 +124,11 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    path: str | None = option(None, "none: the built-in corpus (this interpreter's standard library); else a "
-                                    "directory of text files, a text file, JSONL with a text field, or a prepared "
-                                    "directory (tokenizer.json + train/ [+ val/], as `ultratron data run` writes)")
+    path: str | None = option(None, "none: the built-in corpus (this interpreter's standard library; with "
+                                    "data.format=chat the built-in conversation set); else a directory of text "
+                                    "files, a text file, JSONL with a text field (chat: a messages field), or a "
+                                    "prepared directory (tokenizer.json + train/ [+ val/], as `ultratron data run` "
+                                    "writes)")
     tokenizer: str | None = option(None, "a tokenizer.json to load instead of training one")
     held_out_fraction: float = option(0.05, "share of files kept for validation, chosen by file hash")
     max_bytes: int = option(0, "stop reading the corpus after this many bytes; 0 reads everything")
@@ -140,6 +142,27 @@ class DataConfig:
                                                     "...', linear in between, held after the last")
     exhausted: str = option("repeat", "a mixture source that runs out: repeat it (counted in metrics) or stop the run",
                             choices=("repeat", "stop"))
+    format: str = option("text", "text: plain documents, every token counts in the loss; chat: JSONL of "
+                                 "{\"messages\": [{\"role\", \"content\"}, ...]} rendered with the model's chat "
+                                 "template, packed whole into sequences, the loss on the assistant turns only",
+                         choices=("text", "chat"))
+    document_masking: str = option("auto", "attention stays within each packed document and positions restart at "
+                                           "each (auto: on for chat, off for text)", choices=("auto", "on", "off"))
+
+    @property
+    def documents(self) -> bool:
+        """Whether packed documents are masked from each other (data.document_masking resolved)."""
+        return self.document_masking == "on" or (self.document_masking == "auto" and self.format == "chat")
+
+
+@dataclass
+class LoraConfig:
+    rank: int = option(0, "train low-rank adapters of this rank on the targets, the model's own weights frozen "
+                          "(start from model.init_from); 0: train every weight", minimum=0)
+    alpha: float = option(16.0, "the adapters' scale is alpha / rank (Hu et al. 2021)", minimum=0)
+    targets: list[str] = option(factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"],
+                                help="the linear layers of each block that get adapters",
+                                choices=("q", "k", "v", "o", "gate", "up", "down"))
 
 
 @dataclass
@@ -232,6 +255,7 @@ class Config:
     training: TrainingConfig = option(factory=TrainingConfig)
     optim: OptimConfig = option(factory=OptimConfig)
     data: DataConfig = option(factory=DataConfig)
+    lora: LoraConfig = option(factory=LoraConfig)
     checkpoint: CheckpointConfig = option(factory=CheckpointConfig)
     stability: StabilityConfig = option(factory=StabilityConfig)
     health: HealthConfig = option(factory=HealthConfig)
@@ -332,6 +356,26 @@ def validate(cfg: Config) -> None:
         p.append(f"training.batch_tokens={t.batch_tokens} is not divisible by micro_batch_size × seq_len × dp = "
                  f"{t.micro_batch_size} × {t.seq_len} × {par.dp} = {micro}; try {lower} or {lower + micro}")
     p += ramp_problems(cfg, micro, p) + profile_problems(t.profile_steps)
+    if cfg.data.documents and (par.cp > 1 or par.pp > 1):
+        p.append(f"document masking (data.document_masking={cfg.data.document_masking}, data.format="
+                 f"{cfg.data.format}) does not yet work with parallel.cp={par.cp} / parallel.pp={par.pp}; "
+                 "use cp=1 and pp=1, or data.document_masking=off")
+    if cfg.lora.rank > 0:
+        if not m.init_from:
+            p.append("lora.rank > 0 trains adapters on a model's own weights: give the model with "
+                     "model.init_from (e.g. a run `ultratron import hf` wrote)")
+        if not cfg.lora.targets:
+            p.append("lora.targets is empty: name the linear layers that get adapters, e.g. q,k,v,o,gate,up,down")
+        if par.tp > 1 or par.pp > 1 or par.cp > 1 or par.ep > 1:
+            p.append(f"LoRA (lora.rank={cfg.lora.rank}) does not yet work with tp, pp, cp or ep > 1 "
+                     f"(parallel.tp={par.tp}, pp={par.pp}, cp={par.cp}, ep={par.ep}); use data parallelism")
+        if m.n_experts:
+            p.append("LoRA adapts the dense linear layers; a mixture-of-experts model is not supported yet")
+        if t.cpu_linear != "aten":
+            p.append("LoRA adds its adapters around torch's own linear layers; use training.cpu_linear=aten")
+    if cfg.data.format == "chat" and cfg.data.sources:
+        p.append("data.format=chat reads data.path (conversations); data.sources (a mixture of prepared "
+                 "directories) does not take it")
     if o.lr <= 0:
         p.append(f"optim.lr must be positive, got {o.lr}")
     if not 0 <= o.min_lr_ratio <= 1:

@@ -11,6 +11,13 @@ micro-batch. Since nothing in the position depends on the layout, a run saved at
 dp4, dp1 or any other layout, or with another global batch, and reads each sequence of the
 stream exactly once across the interruption; `view` changes the layout mid-run (a replica group
 that left the quorum, parallel/replicas.py).
+
+Packed shards (chat data) hold sequences of exactly seq_len tokens with a flags byte per token:
+a window is one packed sequence (and the next one's first token, which never counts in the loss),
+and targets that do not count in the loss are IGNORE. With `documents`, a batch also numbers each
+row's documents (a packed shard's DOC_START flags; else a document ends with EOS) for the model's
+document masking, and a target that begins a document does not count: nothing before it in its
+own document predicts it.
 """
 
 from __future__ import annotations
@@ -18,17 +25,43 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ultratron.data.shards import ShardSet
+from ultratron.data.shards import DOC_START, LOSS, ShardSet
 from ultratron.errors import DataError
+
+IGNORE = -100  # a target that does not count in the loss (training/loss.py's IGNORE)
+
+
+def batch_of(windows: list[tuple[np.ndarray, np.ndarray | None]], eos_id: int, documents: bool) -> tuple:
+    """Windows of seq_len + 1 tokens (and flags, for packed shards) → (inputs, targets) or, with
+    `documents`, (inputs, targets, document numbers), int64 of shape (rows, seq_len)."""
+    rows = torch.from_numpy(np.stack([w for w, _ in windows]).astype(np.int64))
+    inputs, targets = rows[:, :-1], rows[:, 1:].clone()
+    packed = windows[0][1] is not None
+    if packed:
+        flags = torch.from_numpy(np.stack([f for _, f in windows]).astype(np.int64))
+        targets[(flags[:, 1:] & LOSS) == 0] = IGNORE
+        starts = (flags & DOC_START) != 0
+    else:
+        starts = torch.zeros_like(rows, dtype=torch.bool)
+        starts[:, 1:] = rows[:, :-1] == eos_id  # the token after an EOS begins a document
+    if not documents:
+        return inputs, targets
+    starts[:, 0] = True  # a window's first token begins its row's first (part of a) document
+    targets[starts[:, 1:]] = IGNORE
+    return inputs, targets, torch.cumsum(starts[:, :-1].long(), dim=1)
 
 
 class TokenLoader:
     def __init__(self, shards: ShardSet, *, seq_len: int, micro_batch_size: int,
-                 dp_rank: int = 0, dp_world: int = 1, seed: int = 0):
-        self.shards = shards
+                 dp_rank: int = 0, dp_world: int = 1, seed: int = 0, documents: bool = False):
+        self.shards, self.documents = shards, documents
         self.seq_len, self.micro_batch_size, self.seed = seq_len, micro_batch_size, seed
         self.view(dp_rank, dp_world)
-        per_shard = [max(0, (len(t) - 1) // seq_len) for t in shards.tokens]
+        self.packed = shards.flags is not None
+        if self.packed and shards.meta["packed"] != seq_len:
+            raise DataError(f"{shards.root}: conversations were packed into sequences of {shards.meta['packed']} "
+                            f"tokens, not training.seq_len={seq_len}; prepare the data again")
+        per_shard = [len(t) // seq_len if self.packed else max(0, (len(t) - 1) // seq_len) for t in shards.tokens]
         self._first = np.concatenate([[0], np.cumsum(per_shard)]).astype(np.int64)
         self.n_sequences = int(self._first[-1])
         needed = micro_batch_size * dp_world
@@ -68,10 +101,19 @@ class TokenLoader:
             out[mask] = self._order(int(epoch))[positions[mask] - epoch * self.n_sequences]
         return out
 
-    def _sequence(self, index: int) -> np.ndarray:
+    def _sequence(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Window `index`: seq_len + 1 tokens, and their flags in a packed set (the last packed
+        sequence of a shard is followed by an EOS that counts in nothing)."""
         shard = int(np.searchsorted(self._first, index, side="right") - 1)
         start = (index - int(self._first[shard])) * self.seq_len
-        return self.shards.tokens[shard][start:start + self.seq_len + 1]
+        tokens = self.shards.tokens[shard][start:start + self.seq_len + 1]
+        if not self.packed:
+            return tokens, None
+        flags = self.shards.flags[shard][start:start + self.seq_len + 1]
+        if len(tokens) == self.seq_len:
+            tokens = np.append(tokens, self.shards.meta["eos_id"]).astype(tokens.dtype)
+            flags = np.append(flags, DOC_START).astype(np.uint8)
+        return tokens, flags
 
     def next_indices(self) -> np.ndarray:
         """Sequence indices of this rank's next micro-batch (advances the global position by the
@@ -80,11 +122,11 @@ class TokenLoader:
         self.consumed += self.micro_batch_size * self.dp_world
         return self.indices_at(begin, self.micro_batch_size)
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each int64 of shape (micro_batch_size, seq_len)."""
-        rows = np.stack([self._sequence(int(i)) for i in self.next_indices()]).astype(np.int64)
-        batch = torch.from_numpy(rows)
-        return batch[:, :-1], batch[:, 1:]
+    def next_batch(self) -> tuple:
+        """(inputs, targets), each int64 of shape (micro_batch_size, seq_len), and with `documents`
+        each token's document number (`batch_of`)."""
+        windows = [self._sequence(int(i)) for i in self.next_indices()]
+        return batch_of(windows, self.shards.meta["eos_id"], self.documents)
 
     def state_dict(self) -> dict:
         return {"consumed": self.consumed, "seed": self.seed, "n_sequences": self.n_sequences, "seq_len": self.seq_len}

@@ -20,10 +20,7 @@ batch, and reads each sequence once, per source too.
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-
-from ultratron.data.loader import TokenLoader
+from ultratron.data.loader import TokenLoader, batch_of
 from ultratron.data.mixture_spec import MixtureSpec
 from ultratron.data.prepare import PreparedData
 from ultratron.data.shards import ShardSet
@@ -33,11 +30,11 @@ from ultratron.errors import DataError
 class MixtureLoader:
     def __init__(self, spec: MixtureSpec, shards: list[ShardSet], *, seq_len: int, micro_batch_size: int,
                  dp_rank: int = 0, dp_world: int = 1, seed: int = 0, exhausted: str = "repeat",
-                 use_schedule: bool = True):
+                 use_schedule: bool = True, documents: bool = False):
         if exhausted not in ("repeat", "stop"):
             raise ValueError(f"exhausted={exhausted!r} is not repeat or stop")
         self.spec, self.seq_len, self.micro_batch_size = spec, seq_len, micro_batch_size
-        self.seed, self.exhausted = seed, exhausted
+        self.seed, self.exhausted, self.documents = seed, exhausted, documents
         self.view(dp_rank, dp_world)
         self.use_schedule = use_schedule
         self.sources = []
@@ -98,11 +95,11 @@ class MixtureLoader:
                     mine.append((i, index))
         return mine
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each int64 of shape (micro_batch_size, seq_len): this rank's block."""
-        rows = [self.sources[i]._sequence(index) for i, index in self.next_indices()]
-        batch = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return batch[:, :-1], batch[:, 1:]
+    def next_batch(self) -> tuple:
+        """(inputs, targets), each int64 of shape (micro_batch_size, seq_len): this rank's block
+        (and with `documents` the document numbers, `loader.batch_of`)."""
+        windows = [self.sources[i]._sequence(index) for i, index in self.next_indices()]
+        return batch_of(windows, self.sources[0].shards.meta["eos_id"], self.documents)
 
     def metrics(self) -> dict[str, float]:
         """Tokens trained on per source (all ranks) and how often each was used up and repeated."""
@@ -137,7 +134,7 @@ class MixtureLoader:
 
 
 def open_loader(data: PreparedData, split: str, *, seq_len: int, micro_batch_size: int, dp_rank: int = 0,
-                dp_world: int = 1, seed: int = 0, exhausted: str = "repeat"):
+                dp_world: int = 1, seed: int = 0, exhausted: str = "repeat", documents: bool = False):
     """The loader of a split ("train" or "val"): a `TokenLoader` of one dataset or a `MixtureLoader`;
     None when there is no such split.
 
@@ -149,12 +146,12 @@ def open_loader(data: PreparedData, split: str, *, seq_len: int, micro_batch_siz
         if root is None:
             return None
         return TokenLoader(ShardSet.open(root), seq_len=seq_len, micro_batch_size=micro_batch_size,
-                           dp_rank=dp_rank, dp_world=dp_world, seed=seed)
+                           dp_rank=dp_rank, dp_world=dp_world, seed=seed, documents=documents)
     spec = data.mixture
     if split == "train":
         return MixtureLoader(spec, [ShardSet.open(train) for train, _ in data.sources], seq_len=seq_len,
                              micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_world=dp_world, seed=seed,
-                             exhausted=exhausted)
+                             exhausted=exhausted, documents=documents)
     keep = [i for i, (_, val) in enumerate(data.sources) if val is not None and spec.weights[i] > 0]
     if not keep:
         return None
@@ -162,4 +159,26 @@ def open_loader(data: PreparedData, split: str, *, seq_len: int, micro_batch_siz
     val_spec = MixtureSpec(tuple(spec.names[i] for i in keep), tuple(spec.paths[i] for i in keep),
                            tuple(spec.weights[i] / total for i in keep))
     return MixtureLoader(val_spec, [ShardSet.open(data.sources[i][1]) for i in keep], seq_len=seq_len,
-                         micro_batch_size=micro_batch_size, seed=seed, use_schedule=False)
+                         micro_batch_size=micro_batch_size, seed=seed, use_schedule=False, documents=documents)
+
+
+def source_loaders(data: PreparedData, split: str, *, seq_len: int, micro_batch_size: int, seed: int = 0,
+                   documents: bool = False) -> dict:
+    """Each source's own loader of a split, by name, for a mixture (for validation per source);
+    the held-out split of each of several chat files; empty for one dataset. Sources without that
+    split, or too small for one micro-batch, are left out."""
+    if data.mixture is None:
+        pairs = [(name, (None, val)) for name, val in (data.val_sources or {}).items()]
+    else:
+        pairs = list(zip(data.mixture.names, data.sources, strict=True))
+    out = {}
+    for name, (train, val) in pairs:
+        root = train if split == "train" else val
+        if root is None:
+            continue
+        try:
+            out[name] = TokenLoader(ShardSet.open(root), seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                    seed=seed, documents=documents)
+        except DataError:
+            continue
+    return out

@@ -14,10 +14,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ultratron.data.conversations import prepare_chat
 from ultratron.data.mixture_spec import MixtureSpec, parse_mixture
 from ultratron.data.shards import META, ShardWriter, write_json_atomic
 from ultratron.data.sources import Document, held_out, iter_documents
-from ultratron.data.tokenizer import Tokenizer, train_tokenizer
+from ultratron.data.tokenizer import CONFIG_FILE, Tokenizer, train_tokenizer
 from ultratron.errors import DataError
 
 ENCODE_BATCH = 256
@@ -31,14 +32,32 @@ class PreparedData:
     summary: dict
     mixture: MixtureSpec | None = None
     sources: tuple[tuple[Path, Path | None], ...] = ()  # a mixture's (train, val) directories, in spec order
+    val_sources: dict[str, Path] | None = None  # several chat files: each one's held-out shards, by name
 
 
-def _fingerprint(data_cfg, vocab_size: int) -> str:
+def _chat_prepared(tokenizer: Tokenizer, out_dir: Path, summary: dict) -> PreparedData:
+    return PreparedData(tokenizer, out_dir / "train", out_dir / "val" if summary["val"]["n_tokens"] else None,
+                        summary, val_sources={n: out_dir / d for n, d in summary.get("val_sources", {}).items()})
+
+
+def _fingerprint(data_cfg, vocab_size: int, seq_len: int) -> str:
     source = data_cfg.path if data_cfg.path is None else str(Path(data_cfg.path).resolve())
     tok = None if data_cfg.tokenizer is None else hashlib.sha256(Path(data_cfg.tokenizer).read_bytes()).hexdigest()
     key = {"path": source, "tokenizer": tok, "held_out_fraction": data_cfg.held_out_fraction,
            "max_bytes": data_cfg.max_bytes, "extensions": data_cfg.extensions, "vocab_size": vocab_size}
+    if data_cfg.format == "chat":  # conversations are packed into sequences, and the template is the tokenizer's
+        config = Path(data_cfg.tokenizer).with_name(CONFIG_FILE) if data_cfg.tokenizer else None
+        content = _content_hash(Path(data_cfg.path)) if data_cfg.path else "builtin"
+        key |= {"format": "chat", "seq_len": seq_len, "content": content,
+                "tokenizer_config": config.read_text() if config and config.is_file() else None}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _content_hash(path: Path) -> str:
+    """Of the chat files' sizes and modification times (a changed file is prepared again)."""
+    files = [path] if path.is_file() else sorted(path.rglob("*.jsonl"))
+    stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
 
 
 def _split(data_cfg, want_held_out: bool) -> Iterator[Document]:
@@ -116,25 +135,33 @@ def open_mixture(data_cfg, vocab_size: int, log: Callable[[str], None] = print) 
                         tuple((p.train_dir, p.val_dir) for p in opened))
 
 
-def prepare_data(data_cfg, vocab_size: int, out_dir: str | Path, log: Callable[[str], None] = print) -> PreparedData:
+def prepare_data(data_cfg, vocab_size: int, out_dir: str | Path, log: Callable[[str], None] = print,
+                 seq_len: int = 0) -> PreparedData:
     """Tokenizer and shards for `data_cfg`: a mixture of prepared directories (data.sources), a
-    prepared directory used as it is, or else built from the text (and cached in `out_dir`)."""
+    prepared directory used as it is, or else built from the text or, with data.format=chat, from
+    conversations packed into sequences of `seq_len` tokens (and cached in `out_dir`)."""
     if data_cfg.sources:
         return open_mixture(data_cfg, vocab_size, log)
     if is_prepared_dir(data_cfg.path):
         return open_prepared(data_cfg.path, vocab_size, log)
     out_dir = Path(out_dir)
     stamp = out_dir / "prepared.json"
-    fingerprint = _fingerprint(data_cfg, vocab_size)
+    fingerprint = _fingerprint(data_cfg, vocab_size, seq_len)
     if stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == fingerprint:
         summary = json.loads(stamp.read_text())
         log(f"data: reusing tokenizer and shards in {out_dir}")
+        if summary.get("format") == "chat":
+            return _chat_prepared(Tokenizer.load(out_dir / "tokenizer.json"), out_dir, summary)
         val = out_dir / "val"
         return PreparedData(Tokenizer.load(out_dir / "tokenizer.json"), out_dir / "train",
                             val if summary["val"]["n_tokens"] else None, summary)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
+    if data_cfg.format == "chat":
+        tokenizer, summary = prepare_chat(data_cfg, vocab_size, seq_len, out_dir, log)
+        write_json_atomic(stamp, {"fingerprint": fingerprint, **summary})
+        return _chat_prepared(tokenizer, out_dir, summary)
     source = "built-in corpus (Python standard library)" if data_cfg.path is None else data_cfg.path
     if next(_split(data_cfg, False), None) is None:
         raise DataError(f"no training documents found in {source} (empty files are skipped; "

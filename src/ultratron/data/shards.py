@@ -2,7 +2,10 @@
 
 A shard directory holds `meta.json` (tokenizer hash, dtype, counts, the shard list) and, per
 shard, `NAME.bin` (the tokens, each document followed by EOS) and `NAME.idx.npy` (the offset of
-each document's first token). Every file is written under a temporary name and renamed, and
+each document's first token). Packed shards (chat data, `data/conversations.py`) hold sequences
+of exactly `packed` tokens, without EOS between documents, and per token a flags byte in
+`NAME.flags.bin`: LOSS (the token counts in the loss as a target) and DOC_START (a document
+begins here). Every file is written under a temporary name and renamed, and
 `meta.json` comes last: a directory without it is not a finished shard set.
 """
 
@@ -20,6 +23,9 @@ from ultratron.errors import DataError
 
 META = "meta.json"
 FORMAT_VERSION = 1
+
+
+LOSS, DOC_START = 1, 2  # bits of a packed shard's flags byte
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -43,13 +49,20 @@ class ShardWriter:
         self.tokens_per_shard, self.prefix = tokens_per_shard, prefix
         self.shards: list[dict] = []
         self._tokens: list[np.ndarray] = []
+        self._flags: list[np.ndarray] = []
         self._starts: list[int] = []
         self._count = 0
 
-    def add(self, ids: list[int]) -> None:
-        arr = np.empty(len(ids) + 1, dtype=self.dtype)
-        arr[:-1] = ids
-        arr[-1] = self.eos_id
+    def add(self, ids: list[int], flags: np.ndarray | None = None) -> None:
+        """A document, followed by EOS; or, with `flags` (one byte per token), a packed sequence
+        as it is."""
+        if flags is None:
+            arr = np.empty(len(ids) + 1, dtype=self.dtype)
+            arr[:-1] = ids
+            arr[-1] = self.eos_id
+        else:
+            arr = np.asarray(ids, dtype=self.dtype)
+            self._flags.append(np.asarray(flags, dtype=np.uint8))
         self._starts.append(self._count)
         self._tokens.append(arr)
         self._count += len(arr)
@@ -60,6 +73,9 @@ class ShardWriter:
         if not self._tokens:
             return
         name = f"{self.prefix}_{len(self.shards):05d}"
+        if self._flags:
+            atomic.write_bytes(self.out_dir / f"{name}.flags.bin", np.concatenate(self._flags).tobytes(), durable=True)
+            self._flags = []
         atomic.write_bytes(self.out_dir / f"{name}.bin", np.concatenate(self._tokens).tobytes(), durable=True)
         with atomic.atomic_path(self.out_dir / f"{name}.idx.npy", keep_suffix=True) as tmp:  # np.save wants .npy
             np.save(tmp, np.asarray(self._starts, dtype=np.int64))
@@ -97,6 +113,7 @@ class ShardSet:
     root: Path
     meta: dict
     tokens: list[np.ndarray]  # one memmap per shard
+    flags: list[np.ndarray] | None = None  # a packed set's flag bytes, one memmap per shard
 
     @classmethod
     def open(cls, root: str | Path) -> ShardSet:
@@ -113,7 +130,15 @@ class ShardSet:
             if not path.is_file() or path.stat().st_size != expected:
                 raise DataError(f"{path}: missing or truncated (expected {expected} bytes)")
             tokens.append(np.memmap(path, dtype=dtype, mode="r"))
-        return cls(root=root, meta=meta, tokens=tokens)
+        flags = None
+        if meta.get("packed"):
+            flags = []
+            for shard in meta["shards"]:
+                path = root / f"{shard['name']}.flags.bin"
+                if not path.is_file() or path.stat().st_size != shard["n_tokens"]:
+                    raise DataError(f"{path}: missing or truncated (expected {shard['n_tokens']} bytes)")
+                flags.append(np.memmap(path, dtype=np.uint8, mode="r"))
+        return cls(root=root, meta=meta, tokens=tokens, flags=flags)
 
     @property
     def n_tokens(self) -> int:

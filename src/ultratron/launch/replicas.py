@@ -49,7 +49,8 @@ def run_replicas(replicas: int, nproc_per_node: int, train_args: list[str], cfg,
 
     run_dir = Path(cfg.run.dir).resolve()
     data_dir = Path(cfg.data.cache_dir).resolve() if cfg.data.cache_dir else run_dir / "data"
-    prepare_data(cfg.data, cfg.model.vocab_size, data_dir, log=log)  # once: the groups would race for it
+    # once: the groups would race for it
+    prepare_data(cfg.data, cfg.model.vocab_size, data_dir, log=log, seq_len=cfg.training.seq_len)
     # torchft's lighthouse and managers log every quorum at INFO (several lines a step); warnings only,
     # unless the user asks (RUST_LOG=info)
     os.environ.setdefault("RUST_LOG", "warn")

@@ -31,4 +31,7 @@ class ParallelPlan:
     attention: Callable
     # the mixture-of-experts layers (`models.moe.MoE`: router, 3-D expert weights, a swappable dispatch)
     moe_layers: Callable[[nn.Module], list[nn.Module]]
+    # LoRA's target names (--lora.targets: q, k, v, o, gate, up, down) → the suffix of each block's
+    # linear layer they name
+    lora_targets: dict[str, str] = None
 

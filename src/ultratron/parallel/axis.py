@@ -37,16 +37,19 @@ from ultratron.parallel.grads import clip_grad_norm
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """What a rank computes one micro-batch on: token ids, targets and, where they are not 0, 1, ...
-    (a shard of longer sequences), the tokens' positions."""
+    """What a rank computes one micro-batch on: token ids, targets (-100 where a token does not
+    count in the loss), where they are not 0, 1, ... (a shard of longer sequences) the tokens'
+    positions, and under document masking each token's document number."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
     positions: torch.Tensor | None = None
+    documents: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> MicroBatch:
+        documents = None if self.documents is None else self.documents.to(device, non_blocking=True)
         return replace(self, inputs=self.inputs.to(device, non_blocking=True),
-                       targets=self.targets.to(device, non_blocking=True))
+                       targets=self.targets.to(device, non_blocking=True), documents=documents)
 
 
 def plain(value: torch.Tensor) -> torch.Tensor:
@@ -165,6 +168,8 @@ class Accumulation:
 
     def forward(self, model: nn.Module, batch: MicroBatch) -> torch.Tensor:
         with self.around_forward():
+            if batch.documents is not None:
+                return model(batch.inputs, documents=batch.documents)
             return model(batch.inputs, positions=batch.positions)
 
     def forward_backward(self, batches: list[MicroBatch]) -> torch.Tensor:

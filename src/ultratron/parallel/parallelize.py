@@ -1,7 +1,7 @@
 """Apply parallelism to a plain model from outside, in one fixed order:
-PP → TP/SP → EP → CP → activation recomputation → compile → FSDP/DDP. Each axis lives in its own
-module (`data`, `tensor`, `pipeline`, `context`, `expert`), cuts the model where its family's plan
-(`models/*/parallel_plan.py`) says and returns its part of the step as an `Axis`
+(LoRA's adapters, `models/lora.py`) → PP → TP/SP → EP → CP → activation recomputation → compile →
+FSDP/DDP. Each axis lives in its own module (`data`, `tensor`, `pipeline`, `context`, `expert`),
+cuts the model where its family's plan (`models/*/parallel_plan.py`) says and returns its part of the step as an `Axis`
 (`parallel/axis.py`); this file only orders them and passes between them what one needs of
 another (the pipeline's stage modules and the split experts, which data parallelism treats apart),
 so that no axis imports another. Before TP, on a CPU, the fp32 linear layers may take oneDNN's
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ultratron.kernels.cpu_linear import apply_cpu_linear
+from ultratron.models.lora import apply_lora
 from ultratron.models.registry import plan_of
 from ultratron.parallel.axis import Axes
 from ultratron.parallel.compile import apply_compile, compiled_loss
@@ -54,6 +55,8 @@ class Parallel:
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg) -> Parallel:
     plan = plan_of(model)
+    if cfg.lora.rank > 0:  # before any axis: the adapters are the model's parameters from here on
+        apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, plan.lora_targets)
     axes = []
     pipeline = None
     if dims.pp > 1:

@@ -27,6 +27,11 @@ gradients and moments whole, 16 bytes, as one process holds them; the routed slo
 place of the dense SwiGLU's (`planning.activations`); the all-to-all's send and receive buffers under
 expert parallelism (in comm_buffers).
 
+LoRA (`lora=(rank, targets)`, `planning.lora`): the model's own weights are frozen and hold their
+parameter bytes only; the adapters of the rank's layers hold every static term, sharded as above.
+Activations are priced as without LoRA (the adapters' own, tokens × rank per adapted layer, are
+small beside them).
+
 Activations: `planning.activations` (what the trainer's model keeps, tensor by tensor, or the
 textbook's formula). Pipeline parallel: the stages, their layers and their ranks come from
 `planning.pipeline` — the same split and placement the trainer runs. A rank holds the parameters
@@ -65,6 +70,7 @@ from ultratron.planning.activations import (
 )
 from ultratron.planning.experts import all_to_all_buffer_bytes, routed_expert_params_per_layer
 from ultratron.planning.layout import Layout, check_layout
+from ultratron.planning.lora import adapter_params_per_layer
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import peak_in_flight, rank_stages, stage_ranks, stage_split
 from ultratron.planning.rules import head_dim_of
@@ -215,7 +221,7 @@ def _stage_items(shape, layout: Layout, stage: int, layers: int, n_stages: int,
     return alive + loss, loss, freed
 
 
-def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> MemoryBreakdown:
+def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: tuple | None = None) -> MemoryBreakdown:
     params = _rank_params(shape, layout, where)
     st = _static(layout)
     # split experts (ep or tp > 1) are left out of ZeRO's sharding and DDP's buckets, as the trainer does:
@@ -273,12 +279,17 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
         transient = between_steps - activations - loss_logits
 
     per_op = model == "per-op"
+    static = {name: term(name) for name in ("parameters", "gradients", "grad_accum_buffer", "master_weights",
+                                            "optimizer_states")}
+    adapters = 0.0
+    if lora is not None:
+        # LoRA: the model's own weights are frozen — their parameters only, no gradients, no
+        # optimizer state; the adapters (of this rank's layers) carry every term, sharded alike
+        adapters = adapter_params_per_layer(shape, *lora) * sum(where.layers) / t
+        static = {name: adapters * getattr(st, name) for name in static}
+        static["parameters"] += sharded * st.parameters + experts * se.parameters
     return MemoryBreakdown(
-        parameters=term("parameters"),
-        gradients=term("gradients"),
-        grad_accum_buffer=term("grad_accum_buffer"),
-        master_weights=term("master_weights"),
-        optimizer_states=term("optimizer_states"),
+        **static,
         activations=activations,
         loss_logits=loss_logits,
         comm_buffers=comm,
@@ -290,20 +301,23 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str) -> Memo
                "per_layer_activation_items": per_op_layer_items(shape, layout) if per_op else {},
                "in_flight_micro_batches": in_flight, "activation_model": model,
                "data_parallel": layout.wrapper, "matmul_params_per_layer": layer_matmul_params(shape, t),
-               "expert_params_on_gpu": experts, "all_to_all_bytes": all_to_all},
+               "expert_params_on_gpu": experts, "all_to_all_bytes": all_to_all, "lora_params_on_gpu": adapters},
     )
 
 
-def estimate_memory_per_rank(shape, layout: Layout, activation_model: str = "per-op") -> list[MemoryBreakdown]:
-    """Bytes on each pipeline rank (one entry without pp); raises UserError for an impossible layout."""
+def estimate_memory_per_rank(shape, layout: Layout, activation_model: str = "per-op",
+                             lora: tuple | None = None) -> list[MemoryBreakdown]:
+    """Bytes on each pipeline rank (one entry without pp); raises UserError for an impossible layout.
+    `lora`: (rank, targets) of LoRA adapters on the frozen model (`planning/lora.py`)."""
     problems = check_layout(shape, layout)
     if activation_model not in ACTIVATION_MODELS:
         problems.append(f"activation model {activation_model!r} is not one of {', '.join(ACTIVATION_MODELS)}")
     if problems:
         raise UserError(problems)
-    return [_rank_memory(shape, layout, where, activation_model) for where in pipeline_ranks(shape, layout)]
+    return [_rank_memory(shape, layout, where, activation_model, lora) for where in pipeline_ranks(shape, layout)]
 
 
-def estimate_memory(shape, layout: Layout, activation_model: str = "per-op") -> MemoryBreakdown:
+def estimate_memory(shape, layout: Layout, activation_model: str = "per-op", lora: tuple | None = None
+                    ) -> MemoryBreakdown:
     """Bytes on the heaviest GPU for one training step; raises UserError for an impossible layout."""
-    return max(estimate_memory_per_rank(shape, layout, activation_model), key=lambda m: m.peak_bytes)
+    return max(estimate_memory_per_rank(shape, layout, activation_model, lora), key=lambda m: m.peak_bytes)

@@ -14,6 +14,8 @@ def _valid_text(value):
     """Text must be encodable Unicode: JSON's "\\ud800" escape yields a lone surrogate, which no
     tokenizer can encode (it would fail deep inside generation, as a server error)."""
     for text in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+        if isinstance(text, dict):  # a chat content part, {"type": "text", "text": ...}
+            text = text.get("text")
         if isinstance(text, str):
             try:
                 text.encode("utf-8")
@@ -45,7 +47,7 @@ class CompletionRequest(_Open):
 
 class ChatMessage(_Open):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[dict]  # a string, or parts [{"type": "text", "text": ...}] (others: 400, in the server)
     text_is_unicode = field_validator("content")(_valid_text)
 
 

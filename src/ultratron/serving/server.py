@@ -24,7 +24,7 @@ from ultratron.errors import ConfigError
 from ultratron.inference.engine import SamplingParams, Sequence, TokenInfo
 from ultratron.models.registry import model_args
 from ultratron.serving.batcher import Batcher, QueueFull
-from ultratron.serving.chat import TemplateError, chat_prompt, chat_stops
+from ultratron.serving.chat import ContentError, TemplateError, chat_prompt, chat_stops, chat_template_of
 from ultratron.serving.requests import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 
@@ -139,7 +139,7 @@ class Server:
     def chat_prompt(self, messages: list[dict]) -> str:
         try:
             return chat_prompt(messages, self.tokenizer)
-        except TemplateError as err:
+        except (TemplateError, ContentError) as err:
             raise APIError(400, str(err), param="messages") from None
 
     async def run(self, seqs: list[Sequence]) -> None:
@@ -325,7 +325,7 @@ def create_app(server: Server) -> FastAPI:
         return {"eos_token": tok.eos_token, "eos_token_id": tok.eos_id, "bos_token": tok.bos_token,
                 "pad_token": tok.eos_token, "model_max_length": server.context, "vocab_size": server.vocab_size,
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "chat_template": tok.chat_template or "### {Role}\\n{content}\\n\\n"}
+                "chat_template": chat_template_of(tok)}
 
     return app
 

@@ -19,6 +19,7 @@ from ultratron.checkpoint.storage import Location
 from ultratron.checkpoint.store import resolve_checkpoint_dir
 from ultratron.data.tokenizer import Tokenizer
 from ultratron.errors import CheckpointError, CheckpointStorageError
+from ultratron.models.lora import is_adapter
 from ultratron.training.metrics import truncate_metrics
 from ultratron.training.state import TrainState
 
@@ -67,6 +68,8 @@ class CheckpointPolicy:
         if not holds_run_state(path, self.storage if self.resume_from == "auto" else None):
             self._fresh_start(path)  # weights only (an import): where a run starts, not one to resume
             return
+        if self.cfg.lora.rank > 0:  # the checkpoint holds the adapters; the model under them is model.init_from
+            self._load_weights(self.init_from)
         ckpt = self.checkpointer.load(path, self.model_state, self.train_state, verified=self.resume_from == "auto")
         self.last = ckpt
         self._trim_metrics(self.train_state.step)
@@ -107,8 +110,14 @@ class CheckpointPolicy:
         self._trim_metrics(-1)  # drop records of an earlier attempt
         weights = weights or self.init_from
         if weights is not None:
-            ckpt = self.checkpointer.load(weights, ModelState(self.model_state.model))
+            ckpt = self._load_weights(weights)
             self.log(f"checkpoint: starting at step 0 from the weights of {ckpt}")
+
+    def _load_weights(self, weights):
+        """The model's weights from a checkpoint; under LoRA only the model's own (the adapters are
+        new, B = 0, or come from the run's checkpoint)."""
+        select = (lambda name: not is_adapter(name)) if self.cfg.lora.rank > 0 else None
+        return self.checkpointer.load(weights, ModelState(self.model_state.model, select=select))
 
 
     def _trim_metrics(self, last_step: int) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+IGNORE = -100  # a target that does not count in the loss (F.cross_entropy's default ignore_index)
+
 
 def cross_entropy(
     logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0
@@ -16,7 +18,13 @@ def cross_entropy(
     near 1 and the output logits from drifting.
     """
     flat = logits.float().flatten(0, 1)
-    ce = F.cross_entropy(flat, targets.flatten())
+    targets = targets.flatten()
+    counted = targets != IGNORE
+    # the mean over the tokens that count (targets of IGNORE, e.g. a chat's prompt, do not); a
+    # batch without any is 0 rather than F.cross_entropy's 0/0
+    n_counted = counted.sum().clamp(min=1)
+    ce = F.cross_entropy(flat, targets, ignore_index=IGNORE, reduction="sum") / n_counted
     if z_loss > 0:
-        return ce + z_loss * torch.logsumexp(flat, dim=-1).pow(2).mean(), ce
+        z = (torch.logsumexp(flat, dim=-1).pow(2) * counted).sum() / n_counted
+        return ce + z_loss * z, ce
     return ce, ce

@@ -62,8 +62,9 @@ class Reporter:
             self._bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
                                   tok_s=f"{record['tokens_per_sec']:,.0f}", mfu=f"{record['mfu']:.0%}")
         elif self.log_interval > 0 and record["step"] % self.log_interval == 0:
+            answers = f" ({record['loss_tokens']:,} in the loss)" if "loss_tokens" in record else ""
             self(f"step {record['step']}: loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3f} "
-                 f"lr {record['lr']:.2e} {record['tokens_per_sec']:,.0f} tok/s mfu {record['mfu']:.1%}")
+                 f"lr {record['lr']:.2e} {record['tokens_per_sec']:,.0f} tok/s{answers} mfu {record['mfu']:.1%}")
 
     def close(self) -> None:
         if self._bar is not None:

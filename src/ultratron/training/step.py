@@ -14,14 +14,20 @@ import torch
 
 from ultratron.parallel.axis import MicroBatch
 from ultratron.parallel.parallelize import Parallel
-from ultratron.training.loss import cross_entropy
+from ultratron.training.loss import IGNORE, cross_entropy
 from ultratron.training.precision import autocast
+
+
+def as_micro_batch(batch: tuple) -> MicroBatch:
+    """A loader's (inputs, targets) or, under document masking, (inputs, targets, documents)."""
+    return MicroBatch(batch[0], batch[1], documents=batch[2] if len(batch) > 2 else None)
 
 
 class TrainStep:
     def __init__(self, parallel: Parallel, device: torch.device, precision: str, z_loss: float,
-                 compile_loss: bool = False):
+                 compile_loss: bool = False, count_loss_tokens: bool = False):
         self.axes, self.device = parallel.axes, device
+        self.count_loss_tokens, self.loss_tokens = count_loss_tokens, 0  # the last step's targets that counted
         train_loss = parallel.compiled_loss(cross_entropy, compile_loss)  # (validation's stays eager)
         self.runner = self.axes.runner(lambda logits, targets: train_loss(logits, targets, z_loss),
                                        lambda: autocast(precision, device))
@@ -30,10 +36,13 @@ class TrainStep:
         """Accumulate the gradients of `n_micro_batches` micro-batches; returns their mean loss over
         every rank (the plain cross-entropy, without z-loss)."""
         self.runner.train(True)
-        batches = [self.axes.shard(MicroBatch(*next_batch()).to(self.device)) for _ in range(n_micro_batches)]
+        batches = [self.axes.shard(as_micro_batch(next_batch()).to(self.device)) for _ in range(n_micro_batches)]
         with self.axes.step_context(training=True):
             local = self.runner.forward_backward(batches)
         self.axes.after_backward()
+        if self.count_loss_tokens:  # (a collective: only where some targets do not count, e.g. chat data)
+            counted = sum((b.targets != IGNORE).sum() for b in batches)
+            self.loss_tokens = int(self.axes.sum_over_data(counted))
         return float(self.axes.average_loss(local, training=True))
 
     def loss_weight(self, n_micro_batches: int) -> float:
@@ -41,10 +50,10 @@ class TrainStep:
         return self.runner.loss_weight(n_micro_batches)
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None) -> float:
         """The cross-entropy of one batch, no gradients (for validation): full logits in eval mode."""
         self.runner.train(False)
-        batch = self.axes.shard(MicroBatch(inputs, targets).to(self.device))
+        batch = self.axes.shard(MicroBatch(inputs, targets, documents=documents).to(self.device))
         with self.axes.step_context(training=False):
             logits = self.runner.logits(batch)
         loss = cross_entropy(logits, batch.targets)[1] if logits is not None else torch.zeros((), device=self.device)

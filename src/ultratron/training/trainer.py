@@ -17,9 +17,10 @@ import torch
 
 from ultratron.checkpoint.manager import ModelState
 from ultratron.config import Config, to_dict, to_toml
-from ultratron.data.mixture import open_loader
+from ultratron.data.mixture import open_loader, source_loaders
 from ultratron.data.prepare import prepare_data
 from ultratron.errors import DeviceError
+from ultratron.models.lora import LORA_FILE, count_trainable, is_adapter, lora_reference
 from ultratron.models.registry import build_model
 from ultratron.models.sampling import generate
 from ultratron.parallel.parallelize import parallelize, topology
@@ -81,26 +82,35 @@ class Trainer:
 
         data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "data"
         data_cfg = with_init_tokenizer(cfg.data, cfg.model.init_from)
-        self.data = self.dims.main_first(lambda: prepare_data(data_cfg, cfg.model.vocab_size, data_dir, log=self.log))
+        self.data = self.dims.main_first(lambda: prepare_data(data_cfg, cfg.model.vocab_size, data_dir, log=self.log,
+                                                              seq_len=t.seq_len))
         self.tokenizer = self.data.tokenizer
         self.train_loader = open_loader(self.data, "train", seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
                                         dp_rank=self.dims.dp_rank, dp_world=cfg.parallel.dp, seed=t.seed,
-                                        exhausted=cfg.data.exhausted)
+                                        exhausted=cfg.data.exhausted, documents=cfg.data.documents)
 
         parallel = parallelize(build_model(cfg.model, self.device), self.dims, cfg)
         self.model, self.axes = parallel.model, parallel.axes
         self.optimizer = self.axes.wrap_optimizer(build_optimizer(self.model, cfg.optim))
         self.batch = BatchSchedule.from_config(cfg)  # tokens per step: fixed, or a ramp
-        self.strategy = TrainStep(parallel, self.device, t.precision, t.z_loss, t.compile)
+        self.strategy = TrainStep(parallel, self.device, t.precision, t.z_loss, t.compile,
+                                  count_loss_tokens=cfg.data.format == "chat")
         self.routers = RouterStats(self.model, self.axes)
         self.state = TrainState(self.train_loader, to_dict(cfg))
-        self.axes.track_state({"model": ModelState(self.model, self.optimizer), "train": self.state})
+        # under LoRA a checkpoint holds the adapters (and their optimizer state); the frozen model is
+        # model.init_from, which config.toml and lora.json name
+        model_state = ModelState(self.model, self.optimizer, select=is_adapter if cfg.lora.rank > 0 else None)
+        self.axes.track_state({"model": model_state, "train": self.state})
         self.validator = Validator(lambda: open_loader(self.data, "val", seq_len=t.seq_len,
-                                                       micro_batch_size=t.micro_batch_size, seed=t.seed),
+                                                       micro_batch_size=t.micro_batch_size, seed=t.seed,
+                                                       documents=cfg.data.documents),
                                    interval=cfg.eval.interval, batches=cfg.eval.batches,
-                                   micro_batch_size=t.micro_batch_size, eval_loss=self.strategy.eval_loss)
-        self.checkpoints = CheckpointPolicy(cfg, self.run_dir, self.dims.is_main,
-                                            ModelState(self.model, self.optimizer), self.state, self.files, self.log)
+                                   micro_batch_size=t.micro_batch_size, eval_loss=self.strategy.eval_loss,
+                                   open_sources=lambda: source_loaders(self.data, "val", seq_len=t.seq_len,
+                                                                       micro_batch_size=t.micro_batch_size,
+                                                                       seed=t.seed, documents=cfg.data.documents))
+        self.checkpoints = CheckpointPolicy(cfg, self.run_dir, self.dims.is_main, model_state, self.state,
+                                            self.files, self.log)
         self.guard = StabilityGuard(cfg, self.checkpoints, self.train_loader, self.log)
         counts = count_params_of(cfg.model)
         self.n_params, self.n_active = counts.total, counts.active
@@ -117,7 +127,10 @@ class Trainer:
 
     def files(self) -> dict[str, str]:
         """What makes a checkpoint self-contained besides its tensors."""
-        return {"config.toml": to_toml(self.cfg), **self.tokenizer.files()}
+        files = {"config.toml": to_toml(self.cfg), **self.tokenizer.files()}
+        if self.cfg.lora.rank > 0:
+            files[LORA_FILE] = lora_reference(self.cfg)
+        return files
 
     # ---- the loop ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -139,6 +152,7 @@ class Trainer:
                 losses.append(record["loss"])
                 if self.validator.due(self.step, at_end=self.step == total) and (new := self._validate()) is not None:
                     val = record["val_loss"] = new
+                    record |= {f"val_loss/{name}": loss for name, loss in self.validator.per_source.items()}
                 if (evaluating := self.periodic.evaluating) is not None:
                     # its child was started before this step and is alive after it: it ran throughout
                     record["eval_running"] = evaluating
@@ -200,15 +214,21 @@ class Trainer:
         return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                 "tokens": self.state.tokens, "tokens_per_sec": tokens_per_sec,
                 "step_time": elapsed, "mfu": self.mfu(tokens_per_sec), **self.train_loader.metrics(), **moe, **axes} | (
-                    {"skipped": 1} if skipped else {}) | ({"batch_tokens": tokens} if self.batch.ramped else {})
+                    {"skipped": 1} if skipped else {}) | ({"batch_tokens": tokens} if self.batch.ramped else {}) | (
+                    # chat data: the answer tokens, the only ones the loss counts (tokens and MFU count
+                    # every position computed, prompts and padding too: docs/finetune.md)
+                    {"loss_tokens": self.strategy.loss_tokens} if self.strategy.count_loss_tokens else {})
 
     def _validate(self, record_alone: bool = False) -> float | None:
         """The validation loss, logged (at step 0 also written as a metrics record of its own)."""
         val = self.validator.run() if self.validator.interval > 0 else None
         if val is not None:
-            self.log(f"step {self.step}: validation loss {val:.4f}")
+            sources = self.validator.per_source
+            each = " (" + ", ".join(f"{name} {loss:.4f}" for name, loss in sources.items()) + ")" if sources else ""
+            self.log(f"step {self.step}: validation loss {val:.4f}{each}")
             if record_alone:
-                self.log.record({"step": self.step, "val_loss": val})
+                self.log.record({"step": self.step, "val_loss": val,
+                                 **{f"val_loss/{name}": loss for name, loss in sources.items()}})
         return val
 
     def _describe(self) -> None:
@@ -219,6 +239,10 @@ class Trainer:
                  f"batch {t.batch_tokens:,} tokens = {cfg.grad_accum_steps} × {t.micro_batch_size} × {t.seq_len}{dp}; "
                  f"device {self.device}; precision {t.precision}")
         self.log(f"mfu: peak {self.mfu.peak / 1e12:.3g} TFLOP/s ({self.mfu.source})")
+        if cfg.lora.rank > 0:
+            trainable, total = count_trainable(self.model)
+            self.log(f"lora: rank {cfg.lora.rank} on {','.join(cfg.lora.targets)}: {trainable:,} of {total:,} "
+                     f"parameters train ({trainable / total:.2%}); the rest are frozen, without optimizer state")
         if self.batch.ramped:
             self.log(f"batch ramp: {self.batch.start:,} → {t.batch_tokens:,} tokens a step over the first "
                      f"{self.batch.ramp_tokens:,} tokens; {self.total_steps():,} steps reach {t.steps} × "

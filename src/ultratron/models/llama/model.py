@@ -66,6 +66,20 @@ class LlamaArgs:
         return self.n_experts > 0 and index >= self.n_dense_layers
 
 
+def document_layout(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed documents (batch, seq: a document number per token, equal within a document) → each
+    token's position within its document (batch, seq) and the attention mask (batch, 1, seq, seq):
+    causal, and within a document only."""
+    seq = documents.shape[1]
+    index = torch.arange(seq, device=documents.device)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first = torch.cummax(torch.where(starts, index, 0), dim=1).values  # each token's document start
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    mask = (documents[:, :, None] == documents[:, None, :]) & causal
+    return index - first, mask[:, None]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -168,7 +182,10 @@ class Attention(nn.Module):
         # (q, k, v, mask, groups) → output, all (batch, heads, seq, head_dim); context parallel swaps it
         self.attend = sdpa_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask` (batch, 1, seq, seq), True where a query may attend a key: packed documents'
+        block-diagonal causal mask (`document_layout`); None: causal."""
         batch, seq, _ = x.shape
         # -1 instead of n_heads so that a tensor-parallel shard (fewer local heads) works unchanged.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -179,7 +196,6 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
         groups = q.shape[1] // k.shape[1]
-        mask = None
         if cache is not None:  # inference: past keys/values join the new ones, with their mask
             k, v, mask = cache.update(k, v)
         if self.softcap > 0:
@@ -231,8 +247,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = moe_layer(args) if args.is_moe_layer(index) else FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        # the mask goes by keyword: tensor parallel's input plan names the positional arguments
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -269,15 +287,22 @@ class Llama(nn.Module):
             else:
                 nn.init.normal_(param, mean=0.0, std=std)
 
-    def forward(self, tokens: torch.Tensor, cache=None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache=None, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (batch, seq) → logits (batch, seq, vocab). `cache` (inference only, e.g.
         `ultratron.inference.kv_cache.KVCache`) supplies each row's positions and keeps keys/values;
         `positions` (seq,) are the tokens' positions when they are not 0, 1, ... (a shard of a longer
-        sequence, as context parallelism hands each rank)."""
+        sequence, as context parallelism hands each rank); `documents` (batch, seq) number the packed
+        documents of each row: attention stays within a document and positions restart at each."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.args.max_seq_len}")
         x = self.tok_embeddings(tokens)
+        mask = None
+        if documents is not None:
+            if cache is not None or positions is not None:
+                raise ValueError("documents cannot be combined with a KV cache or given positions")
+            positions, mask = document_layout(documents)
         if cache is None and positions is not None:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         elif cache is None:
@@ -286,7 +311,7 @@ class Llama(nn.Module):
             positions = cache.positions(seq)  # (batch, seq)
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for name, layer in self.layers.items():
-            x = layer(x, cos, sin) if cache is None else layer(x, cos, sin, cache.layer(name))
+            x = layer(x, cos, sin, mask=mask) if cache is None else layer(x, cos, sin, cache.layer(name))
         logits = self.output(self.norm(x))
         return softcap(logits, self.args.final_softcap)
 

@@ -144,4 +144,6 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 
 PLAN = ParallelPlan(blocks=blocks, tensor_parallel=tensor_parallel, tie_weights=tie_weights,
                     pipeline_stage=pipeline_stage, set_attention=set_attention, attention=sdpa_attention,
-                    moe_layers=moe_layers)
+                    moe_layers=moe_layers,
+                    lora_targets={"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
+                                  "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"})

@@ -1,0 +1,43 @@
+"""The planner's LoRA: its adapter count is the trainer's (one formula, checked against the adapted
+model), the published figure for Llama-3-8B, and plan memory gives the frozen weights their
+parameter bytes only and the adapters every term."""
+
+import pytest
+
+from ultratron.models.presets import PRESETS
+from ultratron.planning.layout import Layout
+from ultratron.planning.lora import adapter_params
+from ultratron.planning.memory import estimate_memory
+
+
+@pytest.mark.parametrize("targets", [("q", "k", "v", "o", "gate", "up", "down"), ("v", "o"), ("q", "down")])
+def test_the_formula_counts_the_adapted_models_parameters(targets):
+    from ultratron.models.llama import Llama, LlamaArgs
+    from ultratron.models.llama.parallel_plan import PLAN
+    from ultratron.models.lora import apply_lora, count_trainable
+
+    args = LlamaArgs(n_layers=3, dim=64, n_heads=8, n_kv_heads=2, ffn_dim=96, vocab_size=50, max_seq_len=16,
+                     head_dim=12)
+    model = Llama(args)
+    apply_lora(model, 4, 8.0, list(targets), PLAN.lora_targets)
+    assert count_trainable(model)[0] == adapter_params(args, 4, targets)
+
+
+def test_llama3_8b_rank16_on_every_linear_layer_is_peft_s_published_count():
+    # peft's print_trainable_parameters for Llama-3-8B, r=16 on q,k,v,o,gate,up,down: 41,943,040
+    assert adapter_params(PRESETS["llama3-8b"], 16, ("q", "k", "v", "o", "gate", "up", "down")) == 41_943_040
+
+
+def test_plan_memory_freezes_the_model_and_trains_the_adapters():
+    shape = PRESETS["llama3-8b"]
+    layout = Layout(dp=8, zero=3, seq_len=4096, precision="bf16")
+    full = estimate_memory(shape, layout)
+    lora = estimate_memory(shape, layout, lora=(16, ("q", "k", "v", "o", "gate", "up", "down")))
+    adapters = adapter_params(shape, 16, ("q", "k", "v", "o", "gate", "up", "down"))
+    assert lora.extra["lora_params_on_gpu"] == adapters
+    # FSDP2 (ZeRO-3 over 8): fp32 weights 4/8, gradients 4/8, moments 8/8 per parameter
+    assert lora.gradients == pytest.approx(adapters * 4 / 8)
+    assert lora.optimizer_states == pytest.approx(adapters * 8 / 8)
+    assert lora.parameters == pytest.approx(full.parameters + adapters * 4 / 8)
+    assert lora.activations == full.activations
+    assert full.peak_bytes - lora.peak_bytes > 0.9 * (full.gradients + full.optimizer_states)
