@@ -52,10 +52,8 @@ def test_bench_comm_profile_round_trips_into_the_planner(tmp_path, capsys):
     assert code == 0 and data["profile"] == str(out) and data["gpu"] == "measured cpu"
     acc = accelerator_of_profile(profile, 64.0)  # a CPU: its alone rates, divided by the ranks' share of cores
     assert acc.flops["fp32"] == profile["matmul_flops_alone"] and acc.memory_bw == profile["memory_bw_alone"]
-    threads = profile["threads_per_rank"]
-    cores = min(profile["cores"], 2 * threads * profile["matmul_flops"] / profile["matmul_flops_alone"])
-    assert acc.cores == pytest.approx(cores) and acc.comm_uses_cores
-    assert data["core_share"] == pytest.approx(max(1.0, 2 * threads / cores))
+    assert acc.cores == profile["cores"] and acc.comm_uses_cores
+    assert data["core_share"] == pytest.approx(max(1.0, 2 * profile["threads_per_rank"] / profile["cores"]))
     reduce = [c for c in data["collectives"] if c["axis"] == "dp"][0]
     assert reduce["seconds"] == pytest.approx(reduce["calls"] * net.seconds(reduce["op"], reduce["nbytes"], 2, 1))
 
@@ -65,16 +63,3 @@ def test_a_file_that_is_not_a_profile_is_refused(tmp_path):
     bad.write_text(json.dumps({"format": "something else"}))
     with pytest.raises(UserError, match="not an `ultratron bench comm` profile"):
         load_profile(bad)
-
-
-def test_effective_cores_are_what_the_ranks_got_together():
-    from ultratron.planning.profile import effective_cores
-
-    base = {"format": "ultratron-comm-profile", "gpus_per_node": 4, "threads_per_rank": 1, "cores": 2,
-            "matmul_flops_alone": 60e9, "intra": {"all-reduce": {"bandwidth": 1e9, "latency": 1e-3}}}
-    assert effective_cores(base | {"matmul_flops": 30e9}) == pytest.approx(2.0)  # a quiet machine: both cores
-    assert effective_cores(base | {"matmul_flops": 10e9}) == pytest.approx(4 * 10 / 60)  # others took the rest
-    assert effective_cores(base | {"matmul_flops": 60e9}) == 2.0  # never more than the cores
-    assert effective_cores(base | {"matmul_flops": 30e9, "cores": 0}) == 0.0  # a GPU profile
-    acc = accelerator_of_profile(base | {"matmul_flops": 10e9}, 64.0)
-    assert acc.flops["fp32"] == 60e9 and acc.core_share(4) == pytest.approx(6.0) and acc.core_share(1) == 1.5

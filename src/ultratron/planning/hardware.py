@@ -43,7 +43,7 @@ class Accelerator:
     # A device whose ranks share CPU cores (`ultratron bench comm` on a CPU records them): each rank
     # computes at its measured rate ÷ max(1, ranks per node × threads per rank ÷ cores), and its
     # collectives (gloo's threads on the same cores) cannot hide behind its compute. 0: a GPU, its own.
-    cores: float = 0.0  # (the cores a profile's ranks effectively had: planning.profile.effective_cores)
+    cores: int = 0
     threads_per_rank: int = 1
     comm_uses_cores: bool = False
 

@@ -99,32 +99,18 @@ def profile_note(profile: dict) -> str:
     return ""
 
 
-def effective_cores(profile: dict) -> float:
-    """The cores the profile's ranks actually got when all of them computed at once: ranks × threads
-    × (the matmul rate each reached then ÷ the rate one rank reached alone), at most the cores they
-    could run on. On a quiet machine it is those cores (4 one-thread ranks on 2 cores each reach half
-    the alone rate: 2); other processes on the machine take the rest. 0: not a CPU profile."""
-    cores = profile.get("cores") or 0
-    together, alone = profile.get("matmul_flops"), profile.get("matmul_flops_alone")
-    if not cores or not together or not alone:
-        return 0.0
-    ranks = profile.get("gpus_per_node") or profile.get("world_size") or 1
-    return min(float(cores), ranks * (profile.get("threads_per_rank") or 1) * together / alone)
-
-
 def accelerator_of_profile(profile: dict, memory_gib: float) -> Accelerator:
     """A custom accelerator whose peak is the profile's measured matmul rate (the compute model then
     runs at efficiency 1 for large products: the rate is already what they reach), its memory
     bandwidth the measured elementwise rate. A profile that records the CPU cores its ranks shared
-    (`cores`) gives the rates one rank reached alone and the cores they effectively had
-    (`effective_cores`): the planner then divides the rates by the layout's own sharing
-    (`Accelerator.core_share`), and collectives hide behind nothing."""
+    (`cores`) gives the rates one rank reached alone and the cores: the planner then divides them
+    by the layout's own sharing (`Accelerator.core_share`), and collectives hide behind nothing."""
     rate = profile.get("matmul_flops")
     if not rate:
         raise UserError("the profile has no measured matmul rate (matmul_flops): give --gpu as well")
-    cores = effective_cores(profile)
+    cores = int(profile.get("cores") or 0)
     bandwidth = profile.get("memory_bw", 3.35e12)
-    if cores:
+    if cores and profile.get("matmul_flops_alone"):
         rate, bandwidth = profile["matmul_flops_alone"], profile.get("memory_bw_alone", bandwidth)
     net = network_of_profile(profile)
     flops = {key: rate for key in ("bf16", "fp16", "fp32", "tf32")}
