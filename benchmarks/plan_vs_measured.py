@@ -1,15 +1,18 @@
 """Predicted vs measured step time: `plan estimate`'s cost model against `ultratron train` on this
 machine, and against published runs whose layout is fully known.
 
-  python benchmarks/plan_vs_measured.py [--out DIR] [--profile FILE] [--steps 6] [--skip-local]
+  python benchmarks/plan_vs_measured.py [--out DIR] [--runs N] [--reuse DIR ...] [--steps 6] [--skip-local]
 
-Local part: `ultratron bench comm --nproc 4` measures this machine's collectives (gloo) and one
-rank's matmul rate while all four multiply (or --profile reuses a profile); `ultratron bench sweep`
+Local part, --runs times (each into DIR/run-i; --reuse predicts earlier runs again without measuring):
+`ultratron bench comm --nproc 4` measures this machine's collectives (gloo), the matmul and
+elementwise rates of all four ranks at once and of one alone, and the cores; `ultratron bench sweep`
 trains the tiny model for --steps steps on 4 gloo processes in six layouts (dp4, dp2×tp2, dp2×pp2
 1F1B and GPipe, cp2×dp2, ZeRO-3 dp4); each measured median step time is set beside
 `planning.search.estimate_step` under that profile (the planner's one function, no constant fitted
-per layout). Published part: the runs in `PUBLISHED`, each predicted on the GPU table's figures.
-Prints a table of predicted / measured for each; the docs quote the figures (docs/planning.md).
+per layout), then one process alone against the compute term. The machine is shared and noisy:
+each run's ratio is printed side by side, and the medians over runs. Published part: the runs in
+`PUBLISHED`, each predicted on the GPU table's figures (with the changes said there). The docs
+quote the figures (docs/planning.md).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -40,8 +44,17 @@ LOCAL = {  # name: the sweep's layout words (4 processes; the tiny model's batch
 
 # Published runs whose layout is fully known (bf16, no fp8): torchtitan's own benchmark file
 # benchmarks/llama3_h100_202412_torchtitan.md (Llama 3.1 8B, Tables 1 and 3: FSDP over 8 and 128
-# H100 — Grand Teton, 96 GB HBM2e at 500 W, 400 Gb/s per GPU — local batch 2, seq 8192, selective
-# activation checkpointing, eager; TPS/GPU at the 90th step).
+# H100 — Grand Teton, 96 GB HBM2e "with 2.4 TB/sec peak memory bandwidth" at 500 W, 400 Gb/s per
+# GPU — local batch 2, seq 8192, selective activation checkpointing, eager; TPS/GPU at the 90th
+# step). Like with like: the H100 SXM table's peak (989.4 TFLOP/s dense bf16; the file says the true
+# peak of its 500 W HBM2e parts lies between SXM and NVL and is unknown, so this is an upper bound)
+# with the file's 2.4 TB/s in place of the SXM's HBM3 3.35 TB/s; and torchtitan's selective
+# checkpointing as its default `selective_ac_option = "op"` runs it — the outputs of matmuls,
+# attention and reduce-scatters kept except every second matmul's, so about half of each block's
+# matmul forward and its elementwise ops run again — modelled as our selective recompute (norms and
+# SwiGLU again) plus half the layers' matmul forward FLOPs at the layout's compute rate
+# (`titan_op_sac_s`).
+TITAN_HBM = 2.4e12
 PUBLISHED = (
     ("torchtitan Llama-3.1-8B, FSDP 8 H100, eager", "llama3-8b", "h100-sxm",
      Layout(dp=8, zero=3, micro_batch_size=2, grad_accum=1, seq_len=8192, recompute="selective"), 5762.0),
@@ -74,33 +87,69 @@ def predict_local(profile: dict, cell_dir: Path) -> tuple[Layout, float, object]
     return cfg.layout, est.step_s, est
 
 
-def single_process(out: Path, sweep: Path, cells: list[Path]) -> tuple:
+def single_process(run_dir: Path, cells: list[Path]) -> tuple:
     """The compute term alone: one process (no collectives, no core shared with another rank) training
-    one dp rank's share of dp4's batch, against the planner at the matmul rate measured alone."""
-    import torch
-
-    from ultratron.bench.comm import matmul_rate
+    one dp rank's share of dp4's batch, against the planner at the matmul rate measured alone
+    (kept in single.json, so a later --reuse reads it back)."""
     from ultratron.config import load_config
 
-    torch.set_num_threads(1)
-    rate = matmul_rate(torch.device("cpu"), torch.float32, 1024, 5)
+    saved = run_dir / "single.json"
     cell = next(c for c in cells if _matches(c, LOCAL["dp4"]))
-    run = out / "single"
-    shutil.rmtree(run, ignore_errors=True)  # a fresh run, not a resumed one
-    ultratron("train", "--config", str(cell / "config.toml"), "--parallel.dp", "1", "--training.batch_tokens", "2048",
-              "--training.threads", "1", "--run.dir", str(run))
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    measured = sorted(r["step_time"] for r in steps[1:])[len(steps[1:]) // 2]
+    if not saved.is_file():
+        import torch
+
+        from ultratron.bench.comm import matmul_rate
+
+        torch.set_num_threads(1)
+        rate = matmul_rate(torch.device("cpu"), torch.float32, 1024, 10)
+        run = run_dir / "single"
+        shutil.rmtree(run, ignore_errors=True)  # a fresh run, not a resumed one
+        ultratron("train", "--config", str(cell / "config.toml"), "--parallel.dp", "1", "--training.batch_tokens",
+                  "2048", "--training.threads", "1", "--run.dir", str(run))
+        steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        measured = sorted(r["step_time"] for r in steps[1:])[len(steps[1:]) // 2]
+        saved.write_text(json.dumps({"measured": measured, "rate": rate}))
+    data = json.loads(saved.read_text())
     cfg = load_config(cell / "config.toml")
     flops = 2048 * flops_per_token_of(cfg.model, cfg.training.seq_len)
-    return ("local dp1, one process alone (step s)", measured, flops / rate,
-            f"compute at the matmul rate measured alone, {rate / 1e9:.1f} GFLOP/s")
+    return data["measured"], flops / data["rate"], f"matmul alone {data['rate'] / 1e9:.1f} GFLOP/s"
+
+
+def measure_run(run_dir: Path, steps: int) -> None:
+    """One measurement: bench comm's profile, then the sweep of the six layouts, then one process alone."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ultratron("bench", "comm", "--nproc", "4", "--threads", "1", "--out", str(run_dir / "profile.json"))
+    layouts = [a for words in LOCAL.values() for a in ("--layout", words)]
+    ultratron("bench", "sweep", "--out", str(run_dir / "sweep"), "--model", "tiny", *layouts, "--gpus", "4", "--gpu",
+              "cpu", "--steps", str(steps), "--", "--training.threads", "1")
+    single_process(run_dir, sorted((run_dir / "sweep" / "cells").iterdir()))
+
+
+def local_rows(run_dir: Path) -> dict[str, tuple]:
+    """{case: (measured, predicted, parts)} of one measured run, predicted by the current planner."""
+    profile = load_profile(run_dir / "profile.json")
+    cells = sorted((run_dir / "sweep" / "cells").iterdir())
+    out = {}
+    for name, words in LOCAL.items():
+        cell = next((c for c in cells if _matches(c, words)), None)
+        if cell is None:
+            continue
+        _, predicted, est = predict_local(profile, cell)
+        parts = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in _parts(est).items() if v > 0.01 * est.step_s)
+        parts += f"; cores shared ×{est.core_share:.1f}"
+        out[f"local {name} (step s)"] = (measured_steps(cell), predicted, parts)
+    out["local dp1, one process alone (step s)"] = single_process(run_dir, cells)
+    note = profile_note(profile)
+    if note:
+        print(f"note ({run_dir}): {note}")
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="plan-vs-measured", help="work directory (profile, sweep)")
-    parser.add_argument("--profile", help="a profile from `ultratron bench comm` (default: measure one)")
+    parser.add_argument("--out", default="plan-vs-measured", help="work directory (profiles, sweeps)")
+    parser.add_argument("--runs", type=int, default=1, help="measure this many times (profile + sweep each)")
+    parser.add_argument("--reuse", nargs="*", default=[], help="earlier runs' directories to predict again")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--skip-local", action="store_true", help="only the published runs")
     args = parser.parse_args()
@@ -108,40 +157,53 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     if not args.skip_local:
-        profile_path = args.profile or str(out / "profile.json")
-        if not args.profile:
-            ultratron("bench", "comm", "--nproc", "4", "--threads", "1", "--out", profile_path)
-        profile = load_profile(profile_path)
-        sweep = out / "sweep"
-        layouts = [a for words in LOCAL.values() for a in ("--layout", words)]
-        ultratron("bench", "sweep", "--out", str(sweep), "--model", "tiny", *layouts, "--gpus", "4", "--gpu", "cpu",
-                  "--steps", str(args.steps), "--", "--training.threads", "1")
-        cells = sorted((sweep / "cells").iterdir())
-        for name, words in LOCAL.items():
-            cell = next((c for c in cells if _matches(c, words)), None)
-            if cell is None:
-                rows.append((f"local {name}", None, None, "cell not found"))
-                continue
-            layout, predicted, est = predict_local(profile, cell)
-            measured = measured_steps(cell)
-            parts = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in _parts(est).items() if v > 0.01 * est.step_s)
-            rows.append((f"local {name} (step s)", measured, predicted, parts))
-        rows.append(single_process(out, sweep, cells))
-        note = profile_note(profile)
-        if note:
-            print(f"note: {note}")
+        run_dirs = [Path(d) for d in args.reuse]
+        for i in range(args.runs if not args.reuse else 0):
+            run_dirs.append(out / f"run-{i + 1}")
+            measure_run(run_dirs[-1], args.steps)
+        runs = [local_rows(d) for d in run_dirs]
+        print(f"{'case (each run: measured / predicted = ratio)':52s} " + "  ".join(f"{'run ' + str(i + 1):>22s}"
+                                                                                for i in range(len(runs)))
+              + "  median ratio")
+        for case in runs[0]:
+            cells = [r.get(case) for r in runs]
+            ratios = [c[1] / c[0] for c in cells if c and c[0] and c[1]]
+            median = f"{statistics.median(ratios):10.2f}" if ratios else ""
+            print(f"{case:52s} " + "  ".join(f"{c[0]:6.2f} / {c[1]:6.2f} = {c[1] / c[0]:4.2f}" if c and c[0] else
+                                             f"{'—':>22s}" for c in cells) + f"  {median}")
+            median_measured = statistics.median(c[0] for c in cells if c and c[0])
+            median_predicted = statistics.median(c[1] for c in cells if c and c[1])
+            rows.append((case, median_measured, median_predicted, cells[-1][2] if cells[-1] else ""))
+        print()
     for name, model, gpu, layout, tokens_per_s in PUBLISHED:
-        spec = SearchSpec(PRESETS[model], get_accelerator(gpu), layout.n_gpus, 8,
+        acc = replace(get_accelerator(gpu), memory_bw=TITAN_HBM)
+        spec = SearchSpec(PRESETS[model], acc, layout.n_gpus, 8,
                           layout.dp * layout.micro_batch_size * layout.grad_accum * layout.seq_len, layout.seq_len)
         est = estimate_step(spec, layout)
+        extra = titan_op_sac_s(spec, est)
+        tokens = spec.global_batch_tokens / (est.step_s + extra) / spec.n_gpus
         parts = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in _parts(est).items() if v > 0.01 * est.step_s)
-        rows.append((f"{name} (tokens/s/GPU)", tokens_per_s, est.tokens_per_s_per_gpu, parts))
-    print(f"{'case':58s} {'measured':>10s} {'predicted':>10s} {'pred/meas':>9s}  predicted parts")
+        rows.append((f"{name} (tokens/s/GPU)", tokens_per_s, tokens,
+                     f"{parts}, op-SAC's second matmuls {extra * 1e3:.0f} ms"))
+    print(f"{'case (local: medians over runs)':58s} {'measured':>10s} {'predicted':>10s} {'pred/meas':>9s}  "
+          "predicted parts (last run)")
     for name, measured, predicted, parts in rows:
         ratio = f"{predicted / measured:.2f}" if measured and predicted else "—"
         print(f"{name:58s} {measured or 0:>10.4g} {predicted or 0:>10.4g} {ratio:>9s}  {parts}")
     (out / "results.json").write_text(json.dumps([dict(zip(("case", "measured", "predicted", "parts"), r,
                                                            strict=True)) for r in rows], indent=1))
+
+
+def titan_op_sac_s(spec: SearchSpec, est) -> float:
+    """What torchtitan's op-level selective checkpointing recomputes beyond ours: half of the layers'
+    matmul forward FLOPs (every second matmul), at the layout's modelled compute rate."""
+    from ultratron.planning.compute import layer_matmuls
+
+    lay = est.layout
+    tokens = lay.micro_batch_size * lay.seq_len / lay.cp
+    per_micro = sum(2 * m * k * n * c for m, k, n, c in layer_matmuls(spec.shape, tokens, lay.tp, lay.ep))
+    flops = 0.5 * per_micro * spec.shape.n_layers / lay.pp * lay.grad_accum
+    return flops / (est.efficiency * spec.accelerator.flops[spec.precision])
 
 
 def _matches(cell: Path, words: str) -> bool:

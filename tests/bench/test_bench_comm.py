@@ -2,13 +2,14 @@
 planner reads back (`planning/profile.py`): the round trip, and the fit against a hand computation."""
 
 import json
+import os
 
 import pytest
 
 from ultratron.cli import main
 from ultratron.errors import UserError
 from ultratron.planning.comm import BUS_FACTORS, OPS
-from ultratron.planning.profile import fit_link, fit_profile, load_profile, network_of_profile
+from ultratron.planning.profile import accelerator_of_profile, fit_link, fit_profile, load_profile, network_of_profile
 
 
 def test_fit_recovers_latency_and_bus_bandwidth_by_hand():
@@ -32,6 +33,9 @@ def test_bench_comm_profile_round_trips_into_the_planner(tmp_path, capsys):
     assert "intra-node all-reduce" in printed and f"--profile {out}" in printed
     profile = load_profile(out)
     assert profile["world_size"] == 2 and profile["backend"] == "gloo" and profile["matmul_flops"] > 0
+    # the rates every rank reached at once and one rank alone, and the cores the ranks shared
+    assert profile["matmul_flops_alone"] > 0 and profile["memory_bw"] > 0 and profile["memory_bw_alone"] > 0
+    assert profile["cores"] == len(os.sched_getaffinity(0)) and profile["threads_per_rank"] >= 1
     assert set(profile["intra"]) == set(OPS) and profile["inter"] == {}  # one machine: no cross-node links
     sizes = sorted({m["bytes"] for m in profile["measurements"]})
     assert sizes == [4096, 16384, 65536]
@@ -46,6 +50,10 @@ def test_bench_comm_profile_round_trips_into_the_planner(tmp_path, capsys):
                  "--profile", str(out), "--json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["profile"] == str(out) and data["gpu"] == "measured cpu"
+    acc = accelerator_of_profile(profile, 64.0)  # a CPU: its alone rates, divided by the ranks' share of cores
+    assert acc.flops["fp32"] == profile["matmul_flops_alone"] and acc.memory_bw == profile["memory_bw_alone"]
+    assert acc.cores == profile["cores"] and acc.comm_uses_cores
+    assert data["core_share"] == pytest.approx(max(1.0, 2 * profile["threads_per_rank"] / profile["cores"]))
     reduce = [c for c in data["collectives"] if c["axis"] == "dp"][0]
     assert reduce["seconds"] == pytest.approx(reduce["calls"] * net.seconds(reduce["op"], reduce["nbytes"], 2, 1))
 

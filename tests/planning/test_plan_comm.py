@@ -133,9 +133,10 @@ def test_stage_imbalance_and_the_step_by_hand():
     exposed = dict.fromkeys(("tp", "cp", "ep", "pp", "inside", "after"), 0.0)
     for c, e in zip(est.collectives, est.exposed, strict=True):
         exposed["inside" if c.hidden_by == COMPUTE else "after" if c.axis == "dp" else c.axis] += e
-    pipelined = est.compute_s + exposed["tp"] + exposed["cp"] + exposed["ep"] + exposed["pp"] + exposed["inside"]
+    pipelined = (est.compute_s + est.elementwise_s + exposed["tp"] + exposed["cp"] + exposed["ep"] + exposed["pp"]
+                 + exposed["inside"])
     assert est.bubble_s == pytest.approx(pipelined * 3 / 16)  # 1F1B: (p−1)/m
-    assert est.step_s == pytest.approx(pipelined + est.bubble_s + exposed["after"])
+    assert est.step_s == pytest.approx(pipelined + est.bubble_s + exposed["after"] + est.optimizer_s)
     assert est.pp_comm_s == pytest.approx(exposed["pp"]) and exposed["pp"] > 0
     assert network_of(spec) == NET  # the GPU's table figures when no profile is given
 

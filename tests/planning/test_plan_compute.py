@@ -1,5 +1,6 @@
 """The compute term's efficiency by shape (`planning.compute`), against hand computations."""
 
+import dataclasses
 import math
 
 import pytest
@@ -67,3 +68,61 @@ def test_small_per_rank_matmuls_run_slower_and_the_step_uses_it():
     assert est.efficiency == pytest.approx(eff)
     assert est.compute_s == pytest.approx(spec.global_batch_tokens * flops_per_token_of(spec.shape, 4096)
                                           / (8 * PEAK * eff))
+
+
+def test_elementwise_and_optimizer_bytes_by_hand():
+    from ultratron.planning.compute import elementwise_bytes
+    from ultratron.planning.memory import estimate_memory
+
+    shape = ModelShape(n_layers=2, dim=1024, n_heads=8, n_kv_heads=2, ffn_dim=4096, vocab_size=32000,
+                       tie_embeddings=False, rope_theta=1e4, max_seq_len=2048)
+    lay = Layout(tp=2, sp=True, micro_batch_size=2, seq_len=2048, grad_accum=4, precision="bf16")
+    mem = estimate_memory(shape, lay)
+    tokens, h, q, kv, f = 4096, 1024 / 2, 1024, 256, 4096  # sp: norms and residuals on h/t
+    forward = 4 * h + 6 * h + 2 * (q + kv) / 2 + 5 * f / 2  # norms, residual adds, rotary, SwiGLU
+    micro, optimizer = elementwise_bytes(shape, lay, mem)
+    # forward + backward (twice the forward's traffic) in bf16 over 2 layers, + 6 fp32 passes of the V/t logits
+    assert micro == pytest.approx(tokens * 2 * 3 * forward * 2 + tokens * 6 * 4 * 32000 / 2)
+    # the states read once and written once but the gradients, which 3 further micro-batches read and write
+    assert optimizer == pytest.approx(2 * mem.static_bytes - mem.gradients + 2 * 3 * mem.gradients)
+    # selective recompute runs the norms and SwiGLU again, full the whole forward
+    selective, _ = elementwise_bytes(shape, dataclasses.replace(lay, recompute="selective"), mem)
+    full, _ = elementwise_bytes(shape, dataclasses.replace(lay, recompute="full"), mem)
+    assert selective - micro == pytest.approx(tokens * 2 * (4 * h + 5 * f / 2) * 2)
+    assert full - micro == pytest.approx(tokens * 2 * forward * 2)
+
+
+def test_the_step_prices_elementwise_work_at_memory_bandwidth():
+    from ultratron.planning.compute import elementwise_bytes
+
+    shape = PRESETS["llama3-8b"]
+    lay = Layout(dp=8, zero=3, micro_batch_size=2, grad_accum=2, seq_len=8192)
+    spec = SearchSpec(shape, H100, 8, 8, 8 * 2 * 2 * 8192, 8192)
+    est = estimate_step(spec, lay)
+    micro, optimizer = elementwise_bytes(shape, lay, est.memory)
+    assert est.elementwise_s == pytest.approx(2 * micro / HBM) and est.optimizer_s == pytest.approx(optimizer / HBM)
+    # half the bandwidth: twice the elementwise time, the matmul term unchanged
+    slow = estimate_step(dataclasses.replace(spec, accelerator=dataclasses.replace(H100, memory_bw=HBM / 2)), lay)
+    assert slow.elementwise_s == pytest.approx(2 * est.elementwise_s)
+    assert slow.step_s > est.step_s and 0.05 < est.elementwise_s / est.compute_s < 0.3  # a 4k-wide model: ~1/10
+
+
+def test_ranks_sharing_cores_compute_slower_and_hide_no_communication():
+    cpu = dataclasses.replace(H100, name="cpu", cores=2, threads_per_rank=1, comm_uses_cores=True,
+                              attention_table=False)
+    assert cpu.core_share(4) == 2.0 and cpu.core_share(1) == 1.0 and H100.core_share(8) == 1.0
+    assert dataclasses.replace(cpu, threads_per_rank=2).core_share(4) == 4.0
+    shape = PRESETS["tiny"]
+    lay = Layout(dp=4, zero=3, seq_len=256, micro_batch_size=8)  # FSDP: gathers an overlap could hide
+    shared = estimate_step(SearchSpec(shape, cpu, 4, 4, 4 * 8 * 256, 256), lay)
+    own = estimate_step(SearchSpec(shape, dataclasses.replace(cpu, cores=0, comm_uses_cores=False), 4, 4,
+                                   4 * 8 * 256, 256), lay)
+    assert shared.core_share == 2.0 and own.core_share == 1.0
+    assert shared.compute_s == pytest.approx(2 * own.compute_s)
+    assert shared.elementwise_s == pytest.approx(2 * own.elementwise_s)
+    assert shared.optimizer_s == pytest.approx(2 * own.optimizer_s)
+    # gloo's threads run on the compute's cores: every collective is on the critical path
+    assert shared.exposed == pytest.approx([c.seconds for c in shared.collectives])
+    assert sum(own.exposed) < sum(c.seconds for c in own.collectives)
+    # four ranks on two nodes of two: each node's two ranks fit its two cores
+    assert estimate_step(SearchSpec(shape, cpu, 4, 2, 4 * 8 * 256, 256), lay).core_share == 1.0

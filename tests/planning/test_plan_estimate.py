@@ -34,8 +34,9 @@ def test_estimate_json_has_the_numbers_and_their_terms(capsys):
     assert data["n_gpus"] == 8 and data["batch_tokens"] == 8 * 16 * 8192 and data["gpu"] == "H100 SXM"
     memory, time = data["memory"], data["time"]
     assert data["peak_bytes"] == pytest.approx(sum(memory[t] for t in MemoryBreakdown.TERMS))
-    assert data["step_seconds"] == pytest.approx(sum(time[t] for t in ("compute_s", "tp_comm_s", "cp_exposed_s",
-                                                                         "pp_comm_s", "bubble_s", "dp_exposed_s")))
+    assert data["step_seconds"] == pytest.approx(sum(time[t] for t in (
+        "compute_s", "elementwise_s", "tp_comm_s", "cp_exposed_s", "pp_comm_s", "bubble_s", "dp_exposed_s",
+        "optimizer_s")))
     assert data["tokens_per_sec_per_gpu"] == pytest.approx(data["batch_tokens"] / data["step_seconds"] / 8)
     shape = PRESETS["llama3-8b"]
     flops = flops_per_token_of(shape, 8192)

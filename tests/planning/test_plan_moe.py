@@ -71,8 +71,8 @@ def test_search_prices_expert_parallel_layouts_on_active_flops():
     est = estimate_step(spec, lay)
     assert est.ep_comm_s > 0 and any("EP all-to-all" in r for r in est.reasons)
     assert estimate_step(spec, dataclasses.replace(lay, ep=1)).ep_comm_s == 0
-    pipelined = est.compute_s + est.tp_comm_s + est.cp_exposed_s + est.pp_comm_s + est.ep_comm_s
-    assert est.step_s == pytest.approx(pipelined + est.bubble_s + est.dp_exposed_s)
+    pipelined = est.compute_s + est.elementwise_s + est.tp_comm_s + est.cp_exposed_s + est.pp_comm_s + est.ep_comm_s
+    assert est.step_s == pytest.approx(pipelined + est.bubble_s + est.dp_exposed_s + est.optimizer_s)
     counts = count_params_of(MIXTRAL)
     flops = flops_per_token_of(MIXTRAL, 4096)
     assert flops < 6 * counts.total / 2  # active: about a quarter of the total's 6·N

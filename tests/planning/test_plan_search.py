@@ -100,14 +100,14 @@ def test_cost_model_terms_by_hand():
     broadcast = 8 * (grads / 8 / 450e9 + 10e-6)
     assert est.dp_comm_s == pytest.approx(buckets * bucket + broadcast)
     assert est.dp_exposed_s == pytest.approx(bucket + broadcast)
-    assert est.step_s == pytest.approx(est.compute_s + est.dp_exposed_s)
+    assert est.step_s == pytest.approx(est.compute_s + est.elementwise_s + est.dp_exposed_s + est.optimizer_s)
     assert est.mfu == pytest.approx(MILLION / est.step_s / 8 * flops_per_token / 989.4e12)
     piped = estimate_step(spec_for("llama3-8b", 8), Layout(dp=2, zero=1, pp=4, micro_batch_size=1, grad_accum=64,
                                                             seq_len=8192, pp_schedule="interleaved-1f1b",
                                                             pp_virtual_stages=2))
     # FSDP's per-block gathers (zero 1 under pp runs as FSDP2) stretch each micro-batch, so the bubble too
     gathers = sum(e for c, e in zip(piped.collectives, piped.exposed, strict=True) if c.op == "all-gather")
-    pipelined = piped.compute_s + piped.tp_comm_s + piped.cp_exposed_s + piped.pp_comm_s + gathers
+    pipelined = piped.compute_s + piped.elementwise_s + piped.tp_comm_s + piped.cp_exposed_s + piped.pp_comm_s + gathers
     assert piped.bubble_s == pytest.approx(pipelined * 3 / (2 * 64))
 
 

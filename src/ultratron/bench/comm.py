@@ -1,5 +1,7 @@
 """`ultratron bench comm`: measure the collectives a training step issues — all-reduce, all-gather,
-reduce-scatter, all-to-all, broadcast and point-to-point — and one rank's matmul rate, on the
+reduce-scatter, all-to-all, broadcast and point-to-point — and one rank's matmul and elementwise
+(memory) rates, with every rank computing at once and with one rank alone, and the CPU cores the
+ranks share, on the
 machines it runs on, and write a profile (`planning/profile.py`) that `plan estimate` and `plan
 search` read with --profile.
 
@@ -91,6 +93,44 @@ def matmul_rate(device, dtype, size: int, repeat: int) -> float:
     return 2 * size**3 / statistics.median(times)
 
 
+def memory_rate(device, dtype, nbytes: int, repeat: int) -> float:
+    """Bytes/s of an elementwise add over `nbytes` tensors (reads two, writes one), median of `repeat`."""
+    n = max(nbytes // torch.empty((), dtype=dtype).element_size(), 1)
+    a, b, c = (torch.ones(n, device=device, dtype=dtype) for _ in range(3))
+    torch.add(a, b, out=c)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        torch.add(a, b, out=c)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 3 * n * a.element_size() / statistics.median(times)
+
+
+def cores_available() -> int:
+    """The CPU cores this process may run on (its affinity mask; the machine's count elsewhere)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _rates(device, dtype, matmul_size: int, repeat: int, alone: bool) -> tuple[float, float]:
+    """(matmul FLOP/s, elementwise bytes/s): every rank at once (the slowest), or rank 0 alone while
+    the others wait (what one rank gets with the cores to itself)."""
+    dist.barrier()
+    rates = torch.zeros(2)
+    if not alone or dist.get_rank() == 0:
+        rates = torch.tensor([matmul_rate(device, dtype, matmul_size, repeat),
+                              memory_rate(device, dtype, 64 * 2**20, repeat)])
+    if alone:
+        dist.broadcast(rates, 0)
+    else:
+        dist.all_reduce(rates, op=dist.ReduceOp.MIN)
+    return float(rates[0]), float(rates[1])
+
+
 def measure(max_bytes: int, repeat: int, matmul_size: int) -> dict | None:
     """Run on every rank of an initialised process group; rank 0 gets the profile, the others None."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -114,13 +154,18 @@ def measure(max_bytes: int, repeat: int, matmul_size: int) -> dict | None:
                                      "bytes": nbytes, "seconds": seconds})
     dist.barrier()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rate = torch.tensor([matmul_rate(device, dtype, matmul_size, repeat)])
-    dist.all_reduce(rate, op=dist.ReduceOp.MIN)  # all ranks multiply at once, as in training
+    timed = max(repeat, 10)  # the rates are what a step's compute runs at: more than a few samples
+    rate, bandwidth = _rates(device, dtype, matmul_size, timed, alone=False)  # all at once, as in training
+    rate_alone, bandwidth_alone = _rates(device, dtype, matmul_size, timed, alone=True)
     if rank:
         return None
-    return {"format": FORMAT, "version": 1, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+    cpu = device.type == "cpu"
+    return {"format": FORMAT, "version": 1, "device": torch.cuda.get_device_name(device) if not cpu
             else "cpu", "backend": dist.get_backend(), "world_size": world, "gpus_per_node": local,
-            "threads_per_rank": torch.get_num_threads(), "matmul_flops": float(rate),
+            "threads_per_rank": torch.get_num_threads(), "matmul_flops": rate, "memory_bw": bandwidth,
+            "matmul_flops_alone": rate_alone, "memory_bw_alone": bandwidth_alone,
+            # a CPU's ranks share its cores (planning.hardware.Accelerator.core_share); a GPU is its own
+            "cores": cores_available() if cpu else 0,
             "dtype": "bf16" if dtype == torch.bfloat16 else "fp32", **fit_profile(measurements),
             "measurements": measurements}
 

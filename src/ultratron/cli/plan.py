@@ -342,7 +342,11 @@ def step_table(est) -> str:
     """The step as a table: compute, each collective (its time and what of it shows), the bubble."""
     rows = [["compute", f"matmuls and attention at {est.efficiency:.0%} of peak"
              + (f", slowest stage ×{est.stage_imbalance:.2f}" if est.stage_imbalance > 1 else ""),
-             "", "", "", "", _seconds(est.compute_s), f"{est.compute_s / est.step_s:.1%}"]]
+             "", "", "", "", _seconds(est.compute_s), f"{est.compute_s / est.step_s:.1%}"],
+            ["elementwise", "norms, residuals, rotary, SwiGLU, loss: bytes at memory bandwidth", "", "", "", "",
+             _seconds(est.elementwise_s), f"{est.elementwise_s / est.step_s:.1%}"]]
+    if est.core_share > 1:
+        rows[0][1] += f", ×{est.core_share:.2f} for ranks sharing cores"
     for c, exposed in zip(est.collectives, est.exposed, strict=True):
         hidden = f"hidden by {c.hidden_by}" if c.hidden_by else "exposed"
         rows.append([f"{c.axis} {c.op}", c.what, f"{c.group}" + (" (nodes)" if c.spans_nodes else ""),
@@ -351,6 +355,8 @@ def step_table(est) -> str:
     if est.bubble_s:
         rows.append(["pipeline bubble", f"{est.layout.pp_schedule}, {est.layout.grad_accum} micro-batches", "", "", "",
                      "", _seconds(est.bubble_s), f"{est.bubble_s / est.step_s:.1%}"])
+    rows.append(["optimizer step", "model states read and written at memory bandwidth", "", "", "", "",
+                 _seconds(est.optimizer_s), f"{est.optimizer_s / est.step_s:.1%}"])
     rows.append(["step", "", "", "", "", "", _seconds(est.step_s), "100%"])
     return table(["term", "what", "group", "calls", "per call", "time", "on the step", "share"], rows)
 
@@ -396,7 +402,8 @@ def run_search(args) -> int:
             print(f"\nconfig for #1 written to {wrote}")
     if args.chart and result.ranked:
         labels = [f"#{i + 1}\n" + wrap(e.layout.describe()) for i, e in enumerate(result.ranked)]
-        parts = {"compute": "compute_s", "TP": "tp_comm_s", "CP exposed": "cp_exposed_s", "EP all-to-all": "ep_comm_s",
+        parts = {"compute": "compute_s", "elementwise": "elementwise_s", "optimizer": "optimizer_s",
+                 "TP": "tp_comm_s", "CP exposed": "cp_exposed_s", "EP all-to-all": "ep_comm_s",
                  "PP p2p": "pp_comm_s", "bubble": "bubble_s", "DP exposed": "dp_exposed_s"}
         series = {name: [getattr(e, attr) for e in result.ranked] for name, attr in parts.items()}
         stacked_bars(args.chart, labels, series, "seconds per step",

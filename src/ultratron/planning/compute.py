@@ -101,3 +101,51 @@ def compute_efficiency(shape, layout, peak: float, hbm: float, efficiency: float
     rate = attention_efficiency(layout.seq_len / layout.cp) / MATMUL_EFFICIENCY if attention_table else 1.0
     seconds += attention / (rate * efficiency * peak)
     return flops / seconds / peak
+
+
+# Elementwise work: the passes over memory that are not matmuls or attention, each running at the
+# memory bandwidth (bytes / HBM bytes/s; a CPU's: what `ultratron bench comm` measured). Counted per
+# token and layer, in elements of the compute dtype, for PyTorch's eager kernels (each reads its
+# inputs and writes its output once):
+#   2 RMSNorms        read x, write y                     2 × 2·h'
+#   2 residual adds   read two, write one                 2 × 3·h'
+#   rotary on q and k read, write                         2·(q + kv)/t
+#   SwiGLU            silu(gate): read f, write f; × up: read 2f, write f   5·f/t
+# (h' = h/t under sequence parallelism, else h; a mixture of experts' layers run k routed slots of
+# the expert width and the shared experts in place of f). Backward reads the saved inputs and the
+# incoming gradient and writes the input gradients: twice the forward's traffic; full recompute runs
+# the forward's again, selective its norms and SwiGLU. The loss on the rank holding the head: 6
+# passes over the V/t fp32 logits per token (the upcast written, log-softmax read and written, its
+# backward read and written, the gradient cast back). The optimizer step reads every byte of the
+# rank's model states and writes all but the gradients (AdamW: master, two moments, the compute
+# copy); each micro-batch after the first reads and writes the accumulated gradients.
+LOSS_PASSES = 6
+
+
+def layer_elementwise_elements(shape, layout) -> dict[str, float]:
+    """Elements one token moves through the forward's elementwise kernels of one average layer, by kind."""
+    t = layout.tp
+    h = shape.dim / t if layout.sp and t > 1 else shape.dim
+    hd = head_dim_of(shape)
+    q, kv = shape.n_heads * hd, shape.n_kv_heads * hd
+    moe = moe_layer_share(shape) if is_moe(shape) else 0.0
+    f = (1 - moe) * shape.ffn_dim
+    if moe:
+        f += moe * expert_ffn_dim_of(shape) * (field_of(shape, "n_active_experts")
+                                               + (field_of(shape, "n_shared_experts") or 0))
+    return {"norms": 4 * h, "residual": 6 * h, "rotary": 2 * (q + kv) / t, "swiglu": 5 * f / t}
+
+
+def elementwise_bytes(shape, layout, memory) -> tuple[float, float]:
+    """(bytes of one micro-batch's elementwise work, bytes of the optimizer step) on the rank whose
+    memory breakdown is `memory` (its layers, its head, its model states): see the comment above."""
+    per_layer = layer_elementwise_elements(shape, layout)
+    forward = sum(per_layer.values())
+    again = {"none": 0.0, "selective": per_layer["norms"] + per_layer["swiglu"], "full": forward}[layout.recompute]
+    tokens = layout.micro_batch_size * layout.seq_len / layout.cp
+    layers = memory.extra.get("layers_on_stage", shape.n_layers)
+    micro = tokens * layers * (3 * forward + again) * layout.compute_bytes
+    if memory.loss_logits:  # the rank holds the head
+        micro += tokens * LOSS_PASSES * 4 * shape.vocab_size / layout.tp
+    optimizer = 2 * memory.static_bytes - memory.gradients + 2 * (layout.grad_accum - 1) * memory.gradients
+    return micro, optimizer

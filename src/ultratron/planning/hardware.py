@@ -40,6 +40,18 @@ class Accelerator:
     # attention at the rates measured on an H200 by sequence (planning.compute); False: at the matmul
     # rate (a measured profile of another device, a CPU, where that table does not apply)
     attention_table: bool = True
+    # A device whose ranks share CPU cores (`ultratron bench comm` on a CPU records them): each rank
+    # computes at its measured rate ÷ max(1, ranks per node × threads per rank ÷ cores), and its
+    # collectives (gloo's threads on the same cores) cannot hide behind its compute. 0: a GPU, its own.
+    cores: int = 0
+    threads_per_rank: int = 1
+    comm_uses_cores: bool = False
+
+    def core_share(self, ranks_per_node: int) -> float:
+        """How many times slower a rank computes when `ranks_per_node` ranks share the node's cores."""
+        if not self.cores:
+            return 1.0
+        return max(1.0, ranks_per_node * self.threads_per_rank / self.cores)
 
 
 def _flops(bf16: float, fp32: float, tf32: float, fp8: float | None = None) -> dict[str, float]:

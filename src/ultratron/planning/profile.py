@@ -4,7 +4,9 @@ latency per operation, inside a node and, when the run spanned nodes, across —
 and the measured matmul rate of one rank while all ranks multiply at once.
 
     {"format": "ultratron-comm-profile", "version": 1, "device": "cpu", "backend": "gloo",
-     "world_size": 4, "gpus_per_node": 4, "matmul_flops": 4.1e10, "dtype": "fp32",
+     "world_size": 4, "gpus_per_node": 4, "threads_per_rank": 1, "cores": 2, "dtype": "fp32",
+     "matmul_flops": 2.1e10, "memory_bw": 2e9,            (every rank computing at once: the slowest)
+     "matmul_flops_alone": 4.1e10, "memory_bw_alone": 4e9, (one rank, the others waiting)
      "intra": {"all-reduce": {"bandwidth": 1.2e9, "latency": 8e-05}, ...},
      "inter": {...} or {},
      "measurements": [{"op", "group", "spans_nodes", "bytes", "seconds"}, ...]}
@@ -99,14 +101,22 @@ def profile_note(profile: dict) -> str:
 
 def accelerator_of_profile(profile: dict, memory_gib: float) -> Accelerator:
     """A custom accelerator whose peak is the profile's measured matmul rate (the compute model then
-    runs at efficiency 1 for large products: the rate is already what they reach)."""
+    runs at efficiency 1 for large products: the rate is already what they reach), its memory
+    bandwidth the measured elementwise rate. A profile that records the CPU cores its ranks shared
+    (`cores`) gives the rates one rank reached alone and the cores: the planner then divides them
+    by the layout's own sharing (`Accelerator.core_share`), and collectives hide behind nothing."""
     rate = profile.get("matmul_flops")
     if not rate:
         raise UserError("the profile has no measured matmul rate (matmul_flops): give --gpu as well")
+    cores = int(profile.get("cores") or 0)
+    bandwidth = profile.get("memory_bw", 3.35e12)
+    if cores and profile.get("matmul_flops_alone"):
+        rate, bandwidth = profile["matmul_flops_alone"], profile.get("memory_bw_alone", bandwidth)
     net = network_of_profile(profile)
     flops = {key: rate for key in ("bf16", "fp16", "fp32", "tf32")}
     return Accelerator(f"measured {profile.get('device', 'device')}", flops, memory_gib * GiB, net.intra.bandwidth,
                        net.inter.bandwidth, profile.get("gpus_per_node", 8),
                        f"measured by ultratron bench comm ({profile.get('backend')}, {profile.get('world_size')} "
                        f"ranks)", intra_node_latency=net.intra.latency, inter_node_latency=net.inter.latency,
-                       memory_bw=profile.get("memory_bw", 3.35e12), attention_table=False)
+                       memory_bw=bandwidth, attention_table=False, cores=cores,
+                       threads_per_rank=int(profile.get("threads_per_rank") or 1), comm_uses_cores=bool(cores))

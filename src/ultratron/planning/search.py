@@ -10,9 +10,14 @@ Cost model (per optimizer step on the heaviest rank, every GPU busy in lock-step
             that hides them (`exposure`: FSDP gathers behind each micro-batch, gradient reductions
             behind the last backward, ring hops behind attention; × `overlap`); tp+sp, all-to-all
             and pipeline sends are on the critical path.
+  elementwise  norms, residual adds, rotary, SwiGLU and the loss over the vocabulary, as bytes per
+            token at the memory bandwidth; the optimizer step as its model-state bytes (planning.compute).
+  shared cores  on a CPU profile, ranks per node × threads ÷ cores (at least 1) slows compute and
+            elementwise work alike, and collectives hide behind nothing (gloo runs on the same cores).
   pipeline  the schedule's bubble fraction (planning.pipeline.bubble_fraction, the real micro-batch
             count) of the pipelined time, which includes each micro-batch's exposed transfers.
-  step      (compute + exposed tp, cp, ep, pp and FSDP gathers) × (1 + bubble) + exposed reductions.
+  step      (compute + elementwise + exposed tp, cp, ep, pp and FSDP gathers) × (1 + bubble) + exposed
+            reductions + the optimizer step.
 Rank by tokens/s per GPU (the same order as MFU); ties go to the layout with less memory.
 """
 
@@ -24,7 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from ultratron.errors import UserError
 from ultratron.planning.comm import ATTENTION, COMPUTE, LAST_BACKWARD, Collective, Link, Network, step_collectives
-from ultratron.planning.compute import MATMUL_EFFICIENCY, compute_efficiency
+from ultratron.planning.compute import MATMUL_EFFICIENCY, compute_efficiency, elementwise_bytes
 from ultratron.planning.experts import is_moe
 from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.hardware import Accelerator
@@ -84,9 +89,12 @@ class Estimate:
     stage_imbalance: float = 1.0  # slowest pipeline rank's FLOPs over the mean rank's
     collectives: list[Collective] = field(default_factory=list)  # planning.comm.step_collectives
     exposed: list[float] = field(default_factory=list)  # each collective's seconds on the critical path
+    elementwise_s: float = 0.0  # norms, residuals, rotary, SwiGLU, the loss: bytes at memory bandwidth
+    optimizer_s: float = 0.0  # the optimizer step's reads and writes of the model states
+    core_share: float = 1.0  # ranks per node × threads ÷ cores, at least 1 (a CPU's shared cores)
 
-    TIME_TERMS = ("compute_s", "tp_comm_s", "cp_exposed_s", "ep_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s",
-                  "dp_exposed_s")
+    TIME_TERMS = ("compute_s", "elementwise_s", "tp_comm_s", "cp_exposed_s", "ep_comm_s", "pp_comm_s", "bubble_s",
+                  "dp_comm_s", "dp_exposed_s", "optimizer_s")
 
     def as_dict(self) -> dict:
         """What `plan estimate --json` prints for a layout (and `plan search --json` for each it ranks):
@@ -96,10 +104,11 @@ class Estimate:
             "peak_bytes": self.memory.peak_bytes, "step_seconds": self.step_s,
             "tokens_per_sec_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
             "memory": self.memory.as_dict(),
-            # step_seconds = compute + TP + CP exposed + EP all-to-all + PP p2p + bubble + DP exposed
-            # (dp_comm_s: before overlap)
+            # step_seconds = compute + elementwise + TP + CP exposed + EP all-to-all + PP p2p + bubble
+            # + DP exposed + optimizer (dp_comm_s: before overlap)
             "time": {term: getattr(self, term) for term in self.TIME_TERMS},
             "reasons": self.reasons, "compute_efficiency": self.efficiency, "stage_imbalance": self.stage_imbalance,
+            "core_share": self.core_share,
             "collectives": [c.as_dict() | {"exposed_s": e} for c, e in zip(self.collectives, self.exposed,
                                                                             strict=True)],
         }
@@ -238,14 +247,20 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     h = shape.dim
     efficiency = compute_efficiency(shape, layout, peak, acc.memory_bw, spec.efficiency, acc.attention_table)
     imbalance = stage_imbalance(shape, layout)
-    compute = tokens * model_flops_per_token * hardware_factor * imbalance / (spec.n_gpus * peak * efficiency)
+    # ranks sharing a CPU's cores each run at their share of them (1 on a GPU)
+    share = acc.core_share(min(spec.n_gpus, spec.gpus_per_node))
+    compute = share * tokens * model_flops_per_token * hardware_factor * imbalance / (spec.n_gpus * peak * efficiency)
     m = layout.grad_accum
+    micro_bytes, optimizer_bytes = elementwise_bytes(shape, layout, memory)
+    elementwise = share * m * micro_bytes / acc.memory_bw
+    optimizer = share * optimizer_bytes / acc.memory_bw
     per_micro = compute / m
 
     collectives = step_collectives(shape, layout, memory, network_of(spec))
     attention_share = 12 * shape.n_layers * h * layout.seq_len / model_flops_per_token
-    budgets = {LAST_BACKWARD: spec.overlap * per_micro * 2 / 3, COMPUTE: spec.overlap * compute,
-               ATTENTION: spec.overlap * compute * attention_share}
+    overlap = 0.0 if acc.comm_uses_cores else spec.overlap  # gloo's threads need the cores compute runs on
+    budgets = {LAST_BACKWARD: overlap * per_micro * 2 / 3, COMPUTE: overlap * compute,
+               ATTENTION: overlap * compute * attention_share}
     exposed = exposure(collectives, budgets)
     by_axis = {axis: sum(e for c, e in zip(collectives, exposed, strict=True) if c.axis == axis)
                for axis in ("tp", "cp", "ep", "pp")}
@@ -255,15 +270,16 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     dp_comm = sum(c.seconds for c in collectives if c.axis == "dp")
     # the schedule's published bubble (planning.pipeline.bubble_fraction; measured: docs/parallel.md)
     bubble_fraction = bubble_fraction_of(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, m)
-    pipelined = compute + sum(by_axis.values()) + dp_inside
+    pipelined = compute + elementwise + sum(by_axis.values()) + dp_inside
     bubble = pipelined * bubble_fraction
-    step = pipelined + bubble + dp_after
+    step = pipelined + bubble + dp_after + optimizer
     tokens_per_s_per_gpu = tokens / step / spec.n_gpus
     est = Estimate(layout, memory, compute, by_axis["tp"], by_axis["cp"], by_axis["pp"], bubble, dp_comm,
                    dp_inside + dp_after, step, tokens_per_s_per_gpu,
                    tokens_per_s_per_gpu * model_flops_per_token / peak,
                    ep_comm_s=by_axis["ep"], efficiency=efficiency, stage_imbalance=imbalance,
-                   collectives=collectives, exposed=exposed)
+                   collectives=collectives, exposed=exposed, elementwise_s=elementwise, optimizer_s=optimizer,
+                   core_share=share)
     est.reasons = _reasons(spec, est, bubble_fraction)
     return est
 
@@ -275,10 +291,11 @@ def _reasons(spec: SearchSpec, est: Estimate, bubble_fraction: float) -> list[st
         f"({spec.headroom:.0%} headroom) — model states {mem.static_bytes / GiB:.1f}, "
         f"activations {(mem.activations + mem.loss_logits) / GiB:.1f}, "
         f"other {(mem.comm_buffers + mem.transient) / GiB:.1f}",
-        f"step {est.step_s:.2f} s = compute {est.compute_s:.2f} + TP {est.tp_comm_s:.2f} "
+        f"step {est.step_s:.2f} s = compute {est.compute_s:.2f} + elementwise {est.elementwise_s:.2f} "
+        f"+ TP {est.tp_comm_s:.2f} "
         f"+ CP {est.cp_exposed_s:.2f} " + (f"+ EP all-to-all {est.ep_comm_s:.2f} " if est.ep_comm_s else "") +
         f"+ PP p2p {est.pp_comm_s:.2f} + bubble {est.bubble_s:.2f} ({bubble_fraction:.0%}) "
-        f"+ DP exposed {est.dp_exposed_s:.2f} (of {est.dp_comm_s:.2f})",
+        f"+ DP exposed {est.dp_exposed_s:.2f} (of {est.dp_comm_s:.2f}) + optimizer {est.optimizer_s:.2f}",
     ]
     overheads = {"tensor-parallel collectives": est.tp_comm_s, "context-parallel ring": est.cp_exposed_s,
                  "expert-parallel all-to-all": est.ep_comm_s,
@@ -360,10 +377,10 @@ def search(spec: SearchSpec, top: int = 5) -> SearchResult:
 
 def step_terms(est: Estimate) -> dict[str, float]:
     """The step's parts by name (seconds on the critical path): they add up to `step_s`."""
-    return {"compute": est.compute_s, "tensor-parallel collectives": est.tp_comm_s,
+    return {"compute": est.compute_s, "elementwise": est.elementwise_s, "tensor-parallel collectives": est.tp_comm_s,
             "context-parallel ring": est.cp_exposed_s, "expert all-to-all": est.ep_comm_s,
             "pipeline transfers": est.pp_comm_s, "pipeline bubble": est.bubble_s,
-            "data-parallel sync": est.dp_exposed_s}
+            "data-parallel sync": est.dp_exposed_s, "optimizer step": est.optimizer_s}
 
 
 def why_first(best: Estimate, other: Estimate) -> str:
