@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
 
 IGNORE = -100  # a target that does not count in the loss (F.cross_entropy's default ignore_index)
 
@@ -25,6 +26,9 @@ def cross_entropy(
     n_counted = counted.sum().clamp(min=1)
     ce = F.cross_entropy(flat, targets, ignore_index=IGNORE, reduction="sum") / n_counted
     if z_loss > 0:
-        z = (torch.logsumexp(flat, dim=-1).pow(2) * counted).sum() / n_counted
+        log_z = torch.logsumexp(flat, dim=-1)
+        if isinstance(log_z, DTensor):  # loss parallel (vocabulary-sharded logits): the mask is every rank's
+            counted = DTensor.from_local(counted, log_z.device_mesh, [Replicate()] * log_z.device_mesh.ndim)
+        z = (log_z.pow(2) * counted).sum() / n_counted
         return ce + z_loss * z, ce
     return ce, ce
