@@ -124,22 +124,23 @@ class CollectiveRecorder(TorchDispatchMode):
                            "bytes": sum(t.numel() * t.element_size() for t in tensors)})
 
 
-def _plant(plant: dict | None) -> None:
+def _plant(plant: dict | None, measured) -> None:
     """For the check's own tests: make this rank issue a wrong collective, as a bug would —
     `{"function": "all_reduce", "call": 1, "action": "skip" | "shape"}` skips the n-th call of
-    `torch.distributed.FUNCTION` on this rank, or sends one element fewer."""
+    `torch.distributed.FUNCTION` in the measured step on this rank, or sends one element fewer
+    (`measured()`: whether the measured step runs)."""
     if not plant:
         return
     original = getattr(dist, plant["function"])
     count = {"n": 0}
 
-    def planted(tensor, *args, **kwargs):
-        count["n"] += 1
-        if count["n"] == plant["call"]:
+    def planted(*args, **kwargs):
+        count["n"] += measured()
+        if measured() and count["n"] == plant["call"]:
             if plant["action"] == "skip":
-                return None
-            tensor = tensor.reshape(-1)[:-1]
-        return original(tensor, *args, **kwargs)
+                return _Done() if kwargs.get("async_op") else None
+            args = (args[0].reshape(-1)[:-1], *args[1:])
+        return original(*args, **kwargs)
 
     setattr(dist, plant["function"], planted)
 
@@ -293,7 +294,6 @@ def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir:
     for name in ("MASTER_ADDR", "TORCHELASTIC_USE_AGENT_STORE"):
         os.environ.pop(name, None)
     _pipeline_metadata(Path(meta_dir))
-    _plant(plant)
     dims = topology(layout, cfg.parallel.collective_timeout)
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     import warnings
@@ -304,6 +304,7 @@ def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir:
     parallel = parallelize(build_model(cfg.model, "meta"), dims, cfg)
     built = time.perf_counter()
     recorder = CollectiveRecorder()
+    _plant(plant, lambda: recorder.recording)
     flops = LocalFlops()
     device = torch.device("cpu")
     n_micro = cfg.grad_accum_steps
@@ -346,6 +347,13 @@ def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir:
             "bytes_by_op": bytes_by_op(recorder.calls), "build_s": built - started,
             "wall_s": time.perf_counter() - started,
             "host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+class _Done:
+    """The work handle of a collective a planted bug skipped."""
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
 
 
 class _Null:
