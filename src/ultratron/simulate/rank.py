@@ -220,7 +220,15 @@ class LocalFlops(TorchDispatchMode):
 
 def _materialize(parallel) -> None:
     """Parameters and buffers → CPU fakes; the pipeline's stage modules hold buffers of their own."""
+    shared: dict[int, list] = {}  # a tied parameter (one object under two names) stays one: to_empty
+    for module in parallel.model.modules():  # from meta makes a new tensor per name
+        for name, param in module._parameters.items():
+            if param is not None:
+                shared.setdefault(id(param), []).append((module, name))
     parallel.model.to_empty(device="cpu")
+    for refs in shared.values():
+        for module, name in refs[1:]:
+            module._parameters[name] = refs[0][0]._parameters[refs[0][1]]
     modules = [module for axis in parallel.axes for module in getattr(getattr(axis, "pipeline", None), "modules", [])]
     for module in modules:
         for sub in module.modules():
