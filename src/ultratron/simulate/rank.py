@@ -44,84 +44,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ultratron.config import load_config
-
-_OPS = {  # dispatcher op name → the collective's name in records
-    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_reduce_coalesced_": "all_reduce",
-    "allgather_": "all_gather", "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-    "allgather_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_out": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "broadcast_": "broadcast", "broadcast": "broadcast", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all",
-    "all_to_all_single": "all_to_all", "send": "send", "recv_": "recv", "barrier": "barrier",
-    "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter",
-}
-# c10d ops whose output tensors come first: the record takes their inputs (what this rank sends)
-_OUTPUT_FIRST = {"_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_", "allgather_coalesced_",
-                 "reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_", "alltoall_",
-                 "alltoall_base_", "gather_", "scatter_"}
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return []
-
-
-def _group(arg):
-    """The process group a c10d op was given (boxed as a ScriptObject at the dispatcher), else None."""
-    if isinstance(arg, dist.ProcessGroup):
-        return arg
-    if isinstance(arg, torch.ScriptObject):
-        try:
-            return dist.ProcessGroup.unbox(arg)
-        except (RuntimeError, TypeError):
-            return None
-    return None
-
-
-class CollectiveRecorder(TorchDispatchMode):
-    """Every collective this rank issues, in order, as the dicts `simulate.collectives` checks."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[dict] = []
-        self.recording = True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.recording and func.namespace in ("c10d", "_c10d_functional") and func._opname in _OPS:
-            self._record(func._opname, args)
-        return func(*args, **kwargs)
-
-    def _record(self, name: str, args) -> None:
-        group = peer = None
-        arg_tensors = [_tensors(a) for a in args]
-        groups = [g for g in (_group(a) for a in args) if g is not None]
-        if groups:
-            group = groups[0]
-        else:  # functional collectives name their group
-            names = [a for a in args if isinstance(a, str)]
-            group = dist.distributed_c10d._resolve_process_group(names[-1]) if names else None
-        sent = [ts for ts in arg_tensors if ts]
-        tensors = sent[1] if name in _OUTPUT_FIRST and len(sent) > 1 else (sent[0] if sent else [])
-        op = _OPS[name]
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        if op in ("send", "recv"):
-            local = next(a for a in args[2:] if isinstance(a, int))
-            peer = ranks[local]
-        first = tensors[0] if tensors else None
-        self.calls.append({"op": op, "group": ranks, "peer": peer,
-                           "shape": list(first.shape) if first is not None else [],
-                           "dtype": str(first.dtype).removeprefix("torch.") if first is not None else "none",
-                           "bytes": sum(t.numel() * t.element_size() for t in tensors)})
+from ultratron.simulate.measure import (
+    CollectiveRecorder,
+    LocalFlops,
+    memory_split,
+    memory_tracker,
+    optimizer_step_bytes,
+    total,
+)
 
 
 def _plant(plant: dict | None, measured) -> None:
@@ -176,46 +108,18 @@ def _pipeline_metadata(meta_dir: Path) -> None:
     stage.PipelineStage._recv_meta = recv_meta
 
 
-def _attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    """Forward FLOPs of CPU flash attention (torch's counter has no formula for the CPU kernel):
-    two matmuls, q·kᵀ and p·v, over every query and key (as the planner counts: causal masking
-    is not subtracted)."""
-    b, h, sq, d = query
-    return 4 * b * h * sq * key[-2] * d
-
-
-def _attention_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return 2 * _attention_flops(query, key, value)
-
-
-class LocalFlops(TorchDispatchMode):
-    """FLOPs of what this rank computes, by torch's own formulas (`torch.utils.flop_counter`).
-    Unlike `FlopCounterMode`, which counts a DTensor op at its global shape, DTensor ops are let
-    through to their local ops (as MemTracker does), so a tensor-parallel matmul counts its shard;
-    and CPU flash attention, for which torch has no formula, counts as the planner counts it."""
-
-    def __init__(self):
-        super().__init__()
-        from torch.utils.flop_counter import flop_registry, shape_wrapper
-
-        aten = torch.ops.aten
-        self.registry = {**flop_registry,
-                         aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_attention_flops),
-                         aten._scaled_dot_product_flash_attention_for_cpu_backward:
-                             shape_wrapper(_attention_backward_flops)}
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
-        if any(t is DTensor for t in types):
-            return NotImplemented
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = self.registry.get(func._overloadpacket)
-        if formula is not None:
-            self.total += int(formula(*args, **kwargs, out_val=out))
-        return out
+def _repoint(obj, renamed: dict, depth: int) -> None:
+    """Parameters an axis kept at parallelize time (the pipeline's tied copies) → the ones
+    `to_empty` put in their place."""
+    if depth == 0 or not type(obj).__module__.startswith("ultratron."):
+        return
+    for attr, value in list(vars(obj).items()):
+        if isinstance(value, torch.nn.Parameter) and id(value) in renamed:
+            setattr(obj, attr, renamed[id(value)])
+        elif isinstance(value, list) and any(isinstance(v, torch.nn.Parameter) for v in value):
+            setattr(obj, attr, [renamed.get(id(v), v) for v in value])
+        elif not isinstance(value, (torch.Tensor, torch.nn.Module)):
+            _repoint(value, renamed, depth - 1)
 
 
 def _materialize(parallel) -> None:
@@ -224,62 +128,22 @@ def _materialize(parallel) -> None:
     for module in parallel.model.modules():  # from meta makes a new tensor per name
         for name, param in module._parameters.items():
             if param is not None:
-                shared.setdefault(id(param), []).append((module, name))
+                shared.setdefault(id(param), []).append((module, name, id(param)))
     parallel.model.to_empty(device="cpu")
+    renamed = {}
     for refs in shared.values():
-        for module, name in refs[1:]:
-            module._parameters[name] = refs[0][0]._parameters[refs[0][1]]
+        new = refs[0][0]._parameters[refs[0][1]]
+        for module, name, _ in refs[1:]:
+            module._parameters[name] = new
+        renamed[refs[0][2]] = new
+    for axis in parallel.axes:
+        _repoint(axis, renamed, depth=3)
     modules = [module for axis in parallel.axes for module in getattr(getattr(axis, "pipeline", None), "modules", [])]
     for module in modules:
         for sub in module.modules():
             for name, buf in list(sub._buffers.items()):
                 if buf is not None and buf.is_meta:
                     sub._buffers[name] = torch.empty_like(buf, device="cpu")
-
-
-class _Backward:
-    """What MemTracker asks of its module tracker, without module hooks: MemTracker's per-module
-    hooks refuse a module that runs twice in a step (every micro-batch, every pipeline stage) and
-    break the pipeline's `autograd.grad`. Without them it tells activations (made in forward) from
-    temporaries (made in backward) by whether the autograd engine is running."""
-
-    parents: set = set()
-
-    @property
-    def is_bw(self) -> bool:
-        return torch._C._current_graph_task_id() != -1
-
-    def register_user_hooks(self, *hooks) -> None:
-        pass
-
-    def clear_user_hooks(self) -> None:
-        pass
-
-    def get_known_fqn(self, module):
-        return None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _tracker():
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker._mod_tracker = _Backward()
-    return tracker
-
-
-def _memory(tracker) -> dict:
-    snapshot = tracker.get_tracker_snapshot("peak")
-    per_device = next(iter(snapshot.values())) if snapshot else {}
-    names = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Activation": "activations",
-             "Temp": "temporaries", "Optstate": "optimizer_states", "Other": "other", "Total": "total"}
-    return {names.get(str(k).split(".")[-1], str(k)): int(v) for k, v in
-            ((getattr(k, "value", k), v) for k, v in per_device.items())}
 
 
 def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir: str, plant: dict | None = None,
@@ -309,6 +173,7 @@ def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Set timeout is now only supported")
         dims.build_mesh("cpu")
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
     parallel = parallelize(build_model(cfg.model, "meta"), dims, cfg)
     built = time.perf_counter()
     recorder = CollectiveRecorder()
@@ -321,36 +186,46 @@ def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir:
         x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len))
         return x, x
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        tracker = _tracker()
-        with tracker:
-            _materialize(parallel)
-            tracker.track_external(parallel.model)
-            optimizer = parallel.axes.wrap_optimizer(build_optimizer(parallel.model, cfg.optim))
-            tracker.track_external(optimizer)
-            step = TrainStep(parallel, device, t.precision, t.z_loss, compile_loss=False)
-            max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-            for index in range(steps):
-                measured = index == steps - 1
-                recorder.recording = measured
-                with flops if measured else _Null(), recorder:
-                    step.runner.train(True)
+    with fake:
+        _materialize(parallel)
+        optimizer = parallel.axes.wrap_optimizer(build_optimizer(parallel.model, cfg.optim))
+        step = TrainStep(parallel, device, t.precision, t.z_loss, compile_loss=False)
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+
+        def one_step(tracker=None) -> tuple[dict, int, int]:
+            measured = tracker is not None
+            recorder.recording = measured
+            with flops if measured else _Null(), recorder:
+                step.runner.train(True)
+                with tracker if measured else _Null():
                     batches = [parallel.axes.shard(MicroBatch(*next_batch()).to(device)) for _ in range(n_micro)]
                     with parallel.axes.step_context(training=True):
                         local = step.runner.forward_backward(batches)
                     parallel.axes.after_backward()
                     parallel.axes.average_loss(local, training=True)
                     parallel.axes.clip_grad_norm(max_norm)
-                    optimizer.step()
-                    static = measured_bytes(parallel.model, optimizer)  # with the gradients, before zero_grad
-                    parallel.axes.zero_grad(optimizer)
-    memory = _memory(tracker)
+                static = measured_bytes(parallel.model, optimizer)  # with the gradients, before zero_grad
+                alive = total(tracker.get_tracker_snapshot("current")) if measured else 0
+                extra = optimizer_step_bytes(optimizer) if measured else 0
+                optimizer.step()
+                parallel.axes.zero_grad(optimizer)
+            return static, alive, extra
+
+        for _ in range(steps - 1):
+            one_step()  # creates the optimizer state
+        tracker = memory_tracker()
+        tracker.track_external(parallel.model, optimizer)
+        static, alive_at_update, update_extra = one_step(tracker)
+    memory = memory_split(tracker)
     dist.destroy_process_group()
     from ultratron.simulate.collectives import bytes_by_op
 
-    peak = memory.get("total", 0)
+    forward_backward = memory.get("total", 0)
+    update = alive_at_update + update_extra
+    peak = max(forward_backward, update)
     split = {**static, "activations_and_temporaries": peak - sum(static.values())}
     return {"rank": rank, "peak_bytes": peak, "memory": split, "tracker": memory,
+            "forward_backward_peak_bytes": forward_backward, "update_peak_bytes": update,
             "flops": flops.total, "collectives": recorder.calls,
             "bytes_by_op": bytes_by_op(recorder.calls), "build_s": built - started,
             "wall_s": time.perf_counter() - started,
