@@ -56,7 +56,9 @@ def run(args) -> int:
 
 
 def _print(result: dict) -> None:
-    from ultratron.cli.plan_output import gib, human, table
+    from ultratron.cli.plan_output import human, table
+
+    gib = lambda value: f"{value / 2**30:.3g}"  # noqa: E731  (three digits: a tiny model's MiB still show)
 
     print(f"{result['layout']}: {result['world_size']} ranks, {human(result['model_params'])} parameters; "
           f"simulated {len(result['ranks'])} rank(s) in {result['wall_s']:.1f} s")
@@ -74,7 +76,9 @@ def _print(result: dict) -> None:
     for r in result["ranks"]:
         sent = ", ".join(f"{op} {human(b, 'B')}" for op, b in r["bytes_by_op"].items())
         print(f"rank {r['rank']}: {len(r['collectives'])} collectives: {sent}")
-    if result["collective_check"] == "ok":
+    if result["collective_check"] == "ok" and len(result["ranks_compared"]) < 2:
+        print("collectives: recorded for one rank, nothing to compare it with (--ranks all compares every rank)")
+    elif result["collective_check"] == "ok":
         print(f"collectives: ranks {', '.join(map(str, result['ranks_compared']))} agree "
               "(same sequence within each process group; every send meets its receive)")
     else:
