@@ -254,3 +254,27 @@ def train_runs_recording_ids(runs: list[list[str]]) -> None:
 
     record_sequence_ids(dist.get_rank())
     train_runs(runs)
+
+
+def measure_forward_backward_peak(base: list[str], flags: list[str], out_dir: str) -> None:
+    """The peak bytes (torch's MemTracker, as `ultratron simulate` measures it) of a step's forward
+    and backward over every micro-batch and the gradient clipping, the step after a first one that
+    created the optimizer state; written to out_dir/rank<r>.json."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from ultratron.config import load_config
+    from ultratron.simulate.measure import memory_tracker, total
+    from ultratron.training.trainer import Trainer
+
+    trainer = Trainer(load_config(None, base + flags + ["--run.dir", f"{out_dir}/run"]), echo=False)
+    trainer.train_step()
+    tracker = memory_tracker()
+    tracker.track_external(trainer.model, trainer.optimizer)
+    with tracker:
+        trainer.strategy.forward_backward(trainer.train_loader.next_batch, trainer.cfg.grad_accum_steps)
+        trainer.axes.clip_grad_norm(trainer.cfg.training.grad_clip)
+    peak = total(tracker.get_tracker_snapshot("peak"))
+    Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps({"peak_bytes": peak}))

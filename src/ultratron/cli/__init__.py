@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("ultratron.cli.train", "train a model: ultratron train [--config FILE] [--section.field VALUE ...]"),
     "report": ("ultratron.cli.report", "draw a run's curves (loss, grad norm, lr, tokens/s) into one PNG"),
     "plan": ("ultratron.cli.plan", "memory per GPU, step time, compute-optimal scaling, fastest parallel layout"),
+    "simulate": ("ultratron.cli.simulate", "rehearse a launch on a CPU: the real step of each rank on a fake process "
+                                           "group; memory, FLOPs, collectives checked"),
     "bench": ("ultratron.cli.bench", "sweep parallel layouts × models: measured tokens/s, MFU, memory vs the planner"),
     "data": ("ultratron.cli.data", "data curation pipeline: read, dedup, filter, tokenize, shard"),
     "launch": ("ultratron.cli.launch", "ultratron train on N processes via torchrun, or a Slurm script"),

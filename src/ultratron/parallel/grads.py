@@ -71,8 +71,9 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, groups=(
     skip = {id(p) for p in uncounted}
     norm = global_grad_norm([p for p in parameters if id(p) not in skip], groups)
     if math.isfinite(max_norm):
-        coef = min(1.0, max_norm / (float(norm) + 1e-6))
-        if coef < 1.0:
-            for grad in {id(p): p.grad for p in parameters}.values():
-                grad.mul_(coef)
+        # a tensor, not a Python float: no host sync, and it runs under fake tensors (`simulate`);
+        # multiplying by exactly 1.0 leaves a gradient unchanged
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for grad in {id(p): p.grad for p in parameters}.values():
+            grad.mul_(coef.to(grad.device))
     return norm

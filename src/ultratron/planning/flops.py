@@ -18,3 +18,12 @@ def mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float) -> 
     if peak_flops <= 0:
         return 0.0
     return tokens_per_second * flops_per_token / peak_flops
+
+
+def stage_flops_per_token(cfg, seq_len: int, layers: int, last: bool) -> float:
+    """The share of `flops_per_token_of` that a pipeline stage of `layers` layers computes: the
+    output head's 6·vocab·dim on the last stage, the rest spread evenly over the layers (a mixture
+    of experts' dense layers count as its average layer)."""
+    head = 6.0 * cfg.vocab_size * cfg.dim
+    per_layer = (flops_per_token_of(cfg, seq_len) - head) / cfg.n_layers
+    return per_layer * layers + (head if last else 0.0)

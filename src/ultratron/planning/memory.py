@@ -12,7 +12,10 @@ following what `parallel/data.py` does for the layout (`rules.data_parallel_wrap
   FSDP2 (zero 2, zero 3, and zero 0/1 whenever the trainer shards) — sharded fp32 weights 4/N,
   sharded fp32 gradients 4/N, moments 8/N; ZeRO-2 keeps each weight gathered in the compute
   dtype (2 in bf16, 4 in fp32) from forward through backward, ZeRO-3 only a block or two at a time
-  (comm_buffers: two blocks gathered, one block's gradients reduce-scattered in fp32).
+  (comm_buffers: two blocks gathered, one block's gradients reduce-scattered in fp32). With more
+  than one micro-batch a step (or under pp) gradients are reduced only on the last one, so FSDP2
+  accumulates the unsharded gradients in fp32 until then (grad_accum_buffer, 4; measured by
+  `ultratron simulate`), and under pp torch's stages keep ZeRO-3's parameters gathered as well.
   `fp32_grad_accum` prices the Megatron-LM convention instead (its README's table, "bf16 param,
   fp32 grads": 18 bytes, 6 + 12/d with the distributed optimizer): bf16 weights 2, fp32 main
   gradients 4 (the bf16 gradient is not kept), fp32 master 4 and moments 8; ZeRO-1 shards master
@@ -198,8 +201,14 @@ def _static(layout: Layout) -> _Static:
         by = lambda level: n if layout.zero >= level else 1
         return _Static(2 / by(3), 0.0, 4 / by(2), 4 / by(1), 8 / by(1), False, layout.zero == 3 and n > 1, True)
     if wrapper == "fsdp":
-        gathered = 0.0 if layout.zero == 3 else dtypes_of(layout).compute  # ZeRO-2: held through backward
-        return _Static(4 / n + gathered, 4 / n, 0.0, 0.0, 8 / n, False, layout.zero == 3, False)
+        # torch's pipeline stages keep FSDP from resharding after backward until the step's last
+        # micro-batch, so under pp ZeRO-3's parameters stay gathered too
+        held = layout.zero != 3 or layout.pp > 1
+        gathered = dtypes_of(layout).compute if held else 0.0  # ZeRO-2: held through backward
+        # gradient sync is off but on a step's last micro-batch (the data axis' no-sync, or the
+        # stages'), so FSDP2 accumulates each unsharded gradient, in fp32 (its reduce dtype), until then
+        accumulated = 4.0 if n > 1 and (layout.grad_accum > 1 or layout.pp > 1) else 0.0
+        return _Static(4 / n + gathered, 4 / n, accumulated, 0.0, 8 / n, False, not held, False)
     sharded = n if wrapper == "ddp" and layout.zero == 1 else 1
     fused = wrapper in ("none", "ddp") and sharded == 1 and layout.tp == 1
     return _Static(4.0, 4.0, 0.0, 0.0, 8 / sharded, wrapper == "ddp", False, fused)

@@ -1,0 +1,42 @@
+"""`ultratron simulate` on 1B-shaped layouts at 16 and 32 ranks (the issue's acceptance): each
+completes, its collectives agree, the measured peak is within 10% of `plan memory` and the FLOPs
+within 2% of the planner's (the tolerances of tests/test_simulate.py, derived there). Sequences of
+1024 tokens and 4 micro-batches keep each under about 3 minutes on two cores."""
+
+from __future__ import annotations
+
+import pytest
+
+from ultratron.simulate.run import simulate
+
+SEQ = ["--training.seq_len", "1024", "--training.micro_batch_size", "1", "--training.precision", "bf16"]
+
+
+def _check(result) -> None:
+    assert result["collective_check"] == "ok"
+    for r in result["ranks"]:
+        assert r["peak_bytes"] == pytest.approx(r["planned_peak_bytes"], rel=0.10), (r["rank"], r["role"])
+        assert r["flops"] == pytest.approx(r["planned_flops"], rel=0.02), (r["rank"], r["role"])
+
+
+def test_1b_at_16_ranks_dp2_tp2_pp2_cp2():
+    result = simulate(None, ["--model.preset", "llama3-1b", "--parallel.dp", "2", "--parallel.tp", "2",
+                             "--parallel.sp", "true", "--parallel.pp", "2", "--parallel.cp", "2",
+                             "--training.batch_tokens", "8192", *SEQ])
+    assert result["world_size"] == 16 and [r["role"] for r in result["ranks"]] == ["first", "last"]
+    _check(result)
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "not yet: routing is data-dependent (the router's torch.bincount, the all-to-all's split sizes read on "
+    "the host), which fake tensors cannot run; needs a stand-in routing (e.g. uniform) for the simulation"))
+def test_a_1b_shaped_mixture_of_experts_at_32_ranks_with_zero3_and_ep():
+    moe = ["--model.preset", "moe-tiny", "--model.dim", "1024", "--model.n_layers", "8", "--model.n_heads", "16",
+           "--model.n_kv_heads", "4", "--model.ffn_dim", "2816", "--model.n_experts", "16",
+           "--model.expert_ffn_dim", "2816",
+           "--model.vocab_size", "32768", "--model.max_seq_len", "1024"]
+    result = simulate(None, [*moe, "--parallel.dp", "8", "--parallel.tp", "2", "--parallel.sp", "true",
+                             "--parallel.pp", "2", "--parallel.ep", "4", "--parallel.zero", "3",
+                             "--training.batch_tokens", "32768", *SEQ])
+    assert result["world_size"] == 32 and result["model_params"] > 0.8e9
+    _check(result)
