@@ -4,6 +4,9 @@
 PYTHON ?= python3
 VENV := .venv
 TORCH_PIN ?= torch==2.13.0
+# test files run on this many pytest-xdist workers, a file to a worker (its module fixtures run once);
+# much of the suite waits on process start-up and gloo, so 2 workers suit even a 2-core machine
+TEST_WORKERS ?= 2
 
 .PHONY: setup quickstart test lint clean
 
@@ -19,7 +22,7 @@ quickstart: setup
 	$(VENV)/bin/ultratron quickstart
 
 test: setup
-	$(VENV)/bin/python -m pytest -q --durations=15
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
