@@ -175,6 +175,11 @@ def _worker(rank: int, world: int, init: str, out: str, max_bytes: int, repeat: 
     torch.set_num_threads(threads)
     os.environ["LOCAL_WORLD_SIZE"] = str(world)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    _measure_in_group(out, max_bytes, repeat, matmul_size)
+
+
+def _measure_in_group(out: str, max_bytes: int, repeat: int, matmul_size: int) -> None:
+    """Measure in the process group this process has joined (rank 0 writes the profile), then leave it."""
     try:
         profile = measure(max_bytes, repeat, matmul_size)
         if profile is not None:
@@ -190,12 +195,7 @@ def run_comm(out: str, nproc: int, max_bytes: int, repeat: int, matmul_size: int
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
-        try:
-            profile = measure(max_bytes, repeat, matmul_size)
-            if profile is not None:
-                write_profile(out, profile)
-        finally:
-            dist.destroy_process_group()
+        _measure_in_group(out, max_bytes, repeat, matmul_size)
         return
     import tempfile
 
