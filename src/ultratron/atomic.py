@@ -46,7 +46,8 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush a file's or a directory's entries (a rename's) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -67,13 +68,13 @@ def atomic_path(path: str | os.PathLike, *, keep_suffix: bool = False, durable: 
     try:
         yield tmp
         if durable and tmp.is_file():
-            _fsync(tmp)
+            fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         _remove(tmp)
         raise
     if durable:
-        _fsync(path.parent)
+        fsync(path.parent)
 
 
 @contextmanager

@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ultratron.atomic import is_temp
+from ultratron.atomic import fsync, is_temp
 from ultratron.checkpoint.storage import Location, Storage, name_of
 from ultratron.checkpoint.verify import MARKER
 from ultratron.errors import CheckpointError
@@ -37,15 +37,8 @@ def fsync_tree(path: Path) -> None:
         for name in files:
             with open(os.path.join(root, name), "rb") as fh:
                 os.fsync(fh.fileno())
-        fsync_dir(Path(root))
+        fsync(Path(root))
 
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def temp_dir_for(final: Path, tag: str) -> Path:
@@ -72,7 +65,7 @@ def commit(tmp: Path, final: Path, step: int) -> Path:
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)  # the commit point
-    fsync_dir(final.parent)  # and the rename itself on disk
+    fsync(final.parent)  # and the rename itself on disk
     return final
 
 
