@@ -232,13 +232,20 @@ def failure_error(err: BaseException, rank: int, world_size: int, timeout: float
     timed_out = "timed out" in first.lower() or "timeout" in first.lower()
     if timed_out:  # before anything else: this rank's sockets close when it leaves
         note_timeout(rank)
-    reports = reported_failures(world_size, run_dir, since)
+    # one wait (up to 3 s) for either a peer's own error or a peer's timeout note, not one after the other
+    deadline = time.monotonic() + 3.0
+    while True:
+        reports = reported_failures(world_size, run_dir, since, wait=0.0)
+        noted = [] if timed_out else [r for r in noted_timeouts(world_size, wait=0.0) if r != rank]
+        if reports or noted or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
     if reports:
         who = "; ".join(f"rank {r} failed ({line})" for r, line in sorted(reports.items()))
         return DistributedError(f"{who}; rank {rank} stopped: its collective could not finish without it")
     # Ranks do not time out at the same instant: the first to leave breaks the others' collectives,
     # which then see a closed connection rather than their own timeout.
-    waited = [] if timed_out else [r for r in noted_timeouts(world_size) if r != rank]
+    waited = noted
     if timed_out:
         why = f"a collective waited parallel.collective_timeout = {timeout:g} s for a rank that never arrived"
     elif waited:
