@@ -101,7 +101,8 @@ MUTATIONS = [
              (CLIP_TEST,)),
     Mutation("clip-not-applied", f"{SRC}/parallel/grads.py",
              "clipping never applied (the coefficient floored at 1 as well as capped there)",
-             "            grad.mul_(coef.to(grad.device))", "            grad.mul_(coef.clamp(min=1.0).to(grad.device))",
+             "            grad.mul_(coef.to(grad.device))",
+             "            grad.mul_(coef.clamp(min=1.0).to(grad.device))",
              (CLIP_TEST,)),
     # ---- learning-rate schedule and optimizer ----
     Mutation("lr-warmup-off-by-one", f"{SRC}/training/optim.py",
