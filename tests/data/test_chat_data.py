@@ -189,3 +189,20 @@ def test_several_chat_files_are_validated_each_alone(base_tokenizer, tmp_path):
                                           "--run.dir", str(tmp_path / name)]), echo=False)
         alone = next(r for r in read_metrics(tmp_path / name) if "val_loss" in r)
         assert abs(first[f"val_loss/{name}"] - alone["val_loss"]) <= 1e-6
+
+
+def test_the_count_of_loss_tokens_is_kept_in_the_run_state():
+    """A resumed run goes on counting from the checkpoint's total; one written before the count
+    was kept starts it at 0."""
+    from ultratron.training.state import TrainState
+
+    loader = SimpleNamespace(state_dict=lambda: {"position": 7}, load_state_dict=lambda state: None)
+    state = TrainState(loader)
+    state.step, state.tokens, state.loss_tokens = 3, 1536, 401
+    saved = state.state_dict()
+    resumed = TrainState(loader)
+    resumed.load_state_dict(saved)
+    assert (resumed.step, resumed.tokens, resumed.loss_tokens) == (3, 1536, 401)
+    del saved["loss_tokens"]
+    resumed.load_state_dict(saved)
+    assert resumed.loss_tokens == 0
