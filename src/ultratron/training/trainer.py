@@ -166,17 +166,24 @@ class Trainer:
                                                self.checkpoints.last):
                 self.log.record(result)
             sample = self.sample() if self.step == total and t.sample_tokens > 0 else None
-            if self.strategy.count_loss_tokens:
-                self.log(f"trained {self.state.tokens:,} positions; {self.state.loss_tokens:,} of them counted in "
-                         f"the loss ({self.state.loss_tokens / max(self.state.tokens, 1):.1%})")
+            self._log_loss_tokens()
         finally:
             write_memory_peak(self.run_dir, self.dims.rank, self.device)
             self.checkpoints.close()
             self.periodic.close()
             self.log.close()
+        return self._result(losses, first_val, val, sample)
+
+    def _result(self, losses: list[float], first_val: float | None, val: float | None, sample: str | None):
         return TrainResult(self.run_dir, self.step, losses[0] if losses else None, losses[-1] if losses else None,
                            first_val, val, sample, self.checkpoints.last, self.mfu.source,
                            self.state.loss_tokens if self.strategy.count_loss_tokens else None)
+
+    def _log_loss_tokens(self) -> None:
+        """A masked run's totals: the positions trained on and, of them, the tokens the loss counted."""
+        if self.strategy.count_loss_tokens:
+            self.log(f"trained {self.state.tokens:,} positions; {self.state.loss_tokens:,} of them counted in "
+                     f"the loss ({self.state.loss_tokens / max(self.state.tokens, 1):.1%})")
 
     def total_steps(self) -> int:
         """Optimizer steps of the whole run: training.steps, or under a batch ramp as many as reach
