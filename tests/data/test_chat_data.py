@@ -164,12 +164,45 @@ def test_several_chat_files_are_validated_each_alone(base_tokenizer, tmp_path):
     common = TINY + ["--data.format", "chat", "--data.tokenizer", str(tmp_path / "tok" / "tokenizer.json"),
                      "--data.held_out_fraction", "0.3", "--training.steps", "1", "--eval.interval", "1",
                      "--eval.batches", "2"]
-    train(load_config(None, common + ["--data.path", str(tmp_path / "chats"), "--run.dir", str(tmp_path / "both")]),
-          echo=False)
+    cfg = load_config(None, common + ["--data.path", str(tmp_path / "chats"), "--run.dir", str(tmp_path / "both"),
+                                      "--training.steps", "2"])
+    result = train(cfg, echo=False)
     first = next(r for r in read_metrics(tmp_path / "both") if "val_loss" in r)
     assert {"val_loss/upper", "val_loss/reverse"} <= set(first)
+
+    # the tokens reported as counting in the loss are the targets the loss mask keeps in the batches
+    # the run read (the same loader, seed and shards), counted exactly; tokens and mfu count positions
+    loader = TokenLoader(ShardSet.open(tmp_path / "both" / "data" / "train"), seq_len=cfg.training.seq_len,
+                         micro_batch_size=cfg.training.micro_batch_size, seed=cfg.training.seed, documents=True)
+    steps = [r for r in read_metrics(tmp_path / "both") if "loss" in r]
+    counted = [sum(int((loader.next_batch()[1] != IGNORE).sum()) for _ in range(cfg.grad_accum_steps)) for _ in steps]
+    assert [r["loss_tokens"] for r in steps] == counted and 0 < counted[0] < cfg.training.batch_tokens
+    assert [r["loss_tokens_total"] for r in steps] == [counted[0], sum(counted)] == [counted[0], result.loss_tokens]
+    for r in steps:  # the loss's share of the positions' figures: equal up to float rounding (a few ulps)
+        share = r["loss_tokens"] / cfg.training.batch_tokens
+        assert r["loss_tokens_mfu"] == pytest.approx(r["mfu"] * share, rel=1e-12)
+        assert r["loss_tokens_per_sec"] == pytest.approx(r["tokens_per_sec"] * share, rel=1e-12)
+    log = (tmp_path / "both" / "train.log").read_text()
+    assert f"{cfg.training.steps * cfg.training.batch_tokens:,} positions; {sum(counted):,} of them counted" in log
     for name in ("upper", "reverse"):
         train(load_config(None, common + ["--data.path", str(tmp_path / "chats" / f"{name}.jsonl"),
                                           "--run.dir", str(tmp_path / name)]), echo=False)
         alone = next(r for r in read_metrics(tmp_path / name) if "val_loss" in r)
         assert abs(first[f"val_loss/{name}"] - alone["val_loss"]) <= 1e-6
+
+
+def test_the_count_of_loss_tokens_is_kept_in_the_run_state():
+    """A resumed run goes on counting from the checkpoint's total; one written before the count
+    was kept starts it at 0."""
+    from ultratron.training.state import TrainState
+
+    loader = SimpleNamespace(state_dict=lambda: {"position": 7}, load_state_dict=lambda state: None)
+    state = TrainState(loader)
+    state.step, state.tokens, state.loss_tokens = 3, 1536, 401
+    saved = state.state_dict()
+    resumed = TrainState(loader)
+    resumed.load_state_dict(saved)
+    assert (resumed.step, resumed.tokens, resumed.loss_tokens) == (3, 1536, 401)
+    del saved["loss_tokens"]
+    resumed.load_state_dict(saved)
+    assert resumed.loss_tokens == 0

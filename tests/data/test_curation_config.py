@@ -13,7 +13,7 @@ from ultratron.errors import ConfigError
 
 def test_every_stage_has_a_runner_in_pipeline_order():
     assert list(RUNNERS) == list(STAGES)
-    assert DataPipelineConfig().pipeline.stages == [s for s in STAGES if s != "perplexity"]
+    assert DataPipelineConfig().pipeline.stages == [s for s in STAGES if s not in ("perplexity", "write-chat")]
 
 
 def test_file_then_overrides(tmp_path):
@@ -35,7 +35,7 @@ def test_choices_and_rules_are_reported_together():
     assert problems[:4] == [
         "pipeline.executor: 'spark' is not one of local, ray",
         "normalize.form: 'nfc' is not one of NFC, NFKC, NFD, NFKD",
-        "filter.enabled: 'gopher' is not one of gopher_repetition, gopher_quality, c4, fineweb, punctuation "
+        "filter.enabled: 'gopher' is not one of length, gopher_repetition, gopher_quality, c4, fineweb, punctuation "
         "(did you mean 'gopher_quality'?)",
         "pipeline.stages lists a stage twice",
     ]
@@ -67,6 +67,24 @@ def test_a_stage_run_alone_is_checked_for_what_it_needs():
     assert err.value.problems == [
         "stage 'perplexity' needs perplexity.checkpoint (a model checkpoint directory)",
         "stage 'perplexity' needs perplexity.max_perplexity or perplexity.keep_percentile"]
+
+
+def test_conversations_refuse_the_stages_and_filters_that_would_change_them():
+    """read.format = 'chat' keeps each conversation unchanged: the text-rewriting stages and C4's
+    line removal are refused with the list that works; write-chat needs chat input."""
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["--read.format", "chat", "--filter.min_chars", "9", "--filter.max_chars", "3"])
+    assert err.value.problems == [
+        "read.format = 'chat': stage(s) normalize, substring-dedup, tokenize, shard would rewrite the conversations' "
+        "text or make plain-text shards of it; use pipeline.stages = ['read', 'exact-dedup', 'near-dedup', "
+        "'filter', 'write-chat'] (write-chat writes the conversations that `train --data.format chat` reads)",
+        "read.format = 'chat': filter group 'c4' removes lines, which a conversation cannot follow; leave it out "
+        "of filter.enabled (e.g. ['length', 'gopher_repetition', 'gopher_quality', 'fineweb', 'punctuation'])",
+        "filter.max_chars = 3 is below filter.min_chars = 9"]
+    assert load_config(overrides=["--read.format", "chat", "--pipeline.stages", "read,exact-dedup,write-chat"])
+    with pytest.raises(ConfigError) as err:
+        load_config(stages=["write-chat"])
+    assert err.value.problems == ["stage 'write-chat' needs read.format = 'chat' (it writes conversations)"]
 
 
 def test_bad_override_is_one_error_line_and_exit_2_without_traceback():

@@ -42,5 +42,6 @@ def run(args) -> int:
     if result.final_loss is not None and os.environ.get("RANK", "0") == "0":  # once under torchrun
         print(f"trained to step {result.steps_done}: loss {result.final_loss:.4f}"
               + (f", validation loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else "")
+              + (f"; {result.loss_tokens:,} tokens counted in the loss" if result.loss_tokens is not None else "")
               + f"; run directory {result.run_dir}")
     return 0

@@ -30,8 +30,15 @@ STAGES: dict[str, str] = {
     "perplexity": "score with a reference model checkpoint; keep the likely documents",
     "tokenize": "train or load the tokenizer, audit it, add token ids to every document",
     "shard": "the trainer's token shards (train/, val/) and Parquet shards of the cleaned text",
+    "write-chat": "read.format=chat: the surviving conversations, unchanged, as chat JSONL that "
+                  "`train --data.format chat` reads",
 }
-FILTER_GROUPS = ("gopher_repetition", "gopher_quality", "c4", "fineweb", "punctuation")
+# With read.format = "chat" a document is a conversation that must come out unchanged: the stages
+# that rewrite text (normalize, substring-dedup, C4's line removal) or turn it into plain-text
+# shards (tokenize, shard) do not apply; write-chat writes the survivors.
+CHAT_STAGES = ("read", "exact-dedup", "near-dedup", "filter", "perplexity", "write-chat")
+FILTER_GROUPS = ("length", "gopher_repetition", "gopher_quality", "c4", "fineweb", "punctuation")
+READ_FORMATS = ("text", "chat")
 NORMAL_FORMS = ("NFC", "NFKC", "NFD", "NFKD")
 
 
@@ -40,7 +47,7 @@ class PipelineSection:
     input: str = option("builtin", "'builtin' (this interpreter's standard library) or a directory/file of "
                                    "text, .jsonl or .parquet")
     output: str = option("data_out", "one subdirectory per stage, the report and the final shards")
-    stages: list[str] = option(factory=lambda: [s for s in STAGES if s != "perplexity"],
+    stages: list[str] = option(factory=lambda: [s for s in STAGES if s not in ("perplexity", "write-chat")],
                                help="the stages to run, in order; must start with read", choices=tuple(STAGES))
     workers: int = option(1, "processes on this machine; 0: one per CPU core")
     executor: str = option("local", "local: a process pool; ray: Ray tasks (ray.init(address=ray_address))",
@@ -52,6 +59,8 @@ class PipelineSection:
 
 @dataclass
 class ReadSection:
+    format: str = option("text", "text: documents of text; chat: JSONL conversations in the messages format, "
+                                 "one a document (see docs/data.md)", choices=READ_FORMATS)
     extensions: str = option(".txt,.md,.rst,.py,.jsonl,.parquet", "files read from a directory")
     max_doc_bytes: int = option(2_000_000, "larger single documents are dropped as 'too_large'")
     max_bytes: int = option(0, "stop after this many bytes of accepted text; 0 reads everything")
@@ -88,6 +97,10 @@ class SubstringDedupSection:
 class FilterSection:
     enabled: list[str] = option(factory=lambda: list(FILTER_GROUPS), help="the rule groups to apply, in order",
                                 choices=FILTER_GROUPS)
+    # length: plain bounds (no source; both off by default), e.g. for conversations, whose text the
+    # prose rules below were not made for
+    min_chars: int = option(0, "length: fewest characters of a document's text")
+    max_chars: int = option(0, "length: most characters of a document's text; 0: no bound")
     # Gopher repetition (Rae et al. 2021, Table A1; datatrove GopherRepetitionFilter defaults)
     dup_line_frac: float = option(0.30, "gopher_repetition: share of lines that repeat an earlier line")
     dup_para_frac: float = option(0.30, "gopher_repetition: share of paragraphs that repeat an earlier one")
@@ -191,6 +204,24 @@ def _ngram_table_problems(name: str, table: dict[str, float]) -> list[str]:
     return problems
 
 
+def _chat_problems(cfg: DataPipelineConfig, run: list[str]) -> list[str]:
+    """Stages and filters that cannot keep a conversation unchanged, with the list that can."""
+    if cfg.read.format != "chat":
+        needs_chat = "write-chat" in run
+        return ["stage 'write-chat' needs read.format = 'chat' (it writes conversations)"] if needs_chat else []
+    problems = []
+    other = [s for s in run if s not in CHAT_STAGES]
+    if other:
+        keep = [s for s in run if s in CHAT_STAGES] + ([] if "write-chat" in run else ["write-chat"])
+        problems.append(f"read.format = 'chat': stage(s) {', '.join(other)} would rewrite the conversations' text or "
+                        f"make plain-text shards of it; use pipeline.stages = {keep} (write-chat writes the "
+                        "conversations that `train --data.format chat` reads)")
+    if "filter" in run and "c4" in cfg.filter.enabled:
+        problems.append("read.format = 'chat': filter group 'c4' removes lines, which a conversation cannot follow; "
+                        f"leave it out of filter.enabled (e.g. {[g for g in cfg.filter.enabled if g != 'c4']})")
+    return problems
+
+
 def validate(cfg: DataPipelineConfig, stages: list[str] | None = None) -> list[str]:
     """Every problem of the config, one line each: choices first, then ranges and cross-field rules."""
     problems = choice_problems(cfg)
@@ -206,12 +237,17 @@ def validate(cfg: DataPipelineConfig, stages: list[str] | None = None) -> list[s
         problems.append(f"pipeline.workers = {p.workers} must be ≥ 0 (0: one per CPU core)")
     if p.docs_per_part < 1:
         problems.append("pipeline.docs_per_part must be ≥ 1")
+    problems += _chat_problems(cfg, run)
     nd = cfg.near_dedup
     if nd.ngram < 1 or nd.bands < 1 or nd.rows < 1:
         problems.append("near_dedup.ngram, bands and rows must be ≥ 1")
     if cfg.substring_dedup.min_bytes < 8:
         problems.append(f"substring_dedup.min_bytes = {cfg.substring_dedup.min_bytes} is too small "
                         "(≥ 8; 100 is usual)")
+    if cfg.filter.min_chars < 0 or cfg.filter.max_chars < 0:
+        problems.append("filter.min_chars and filter.max_chars must be ≥ 0 (max_chars 0: no bound)")
+    elif 0 < cfg.filter.max_chars < cfg.filter.min_chars:
+        problems.append(f"filter.max_chars = {cfg.filter.max_chars} is below filter.min_chars = {cfg.filter.min_chars}")
     problems += _ngram_table_problems("filter.top_ngram_char_frac", cfg.filter.top_ngram_char_frac)
     problems += _ngram_table_problems("filter.dup_ngram_char_frac", cfg.filter.dup_ngram_char_frac)
     px = cfg.perplexity

@@ -38,6 +38,7 @@ import numpy as np
 from ultratron import atomic
 from ultratron.curation.config import DataPipelineConfig
 from ultratron.curation.executors import Executor
+from ultratron.data.sources import iter_jsonl
 from ultratron.errors import DataError
 
 DONE = "_DONE.json"
@@ -74,25 +75,15 @@ def list_parts(path: str | Path) -> list[Path]:
 
 def iter_records(path: Path) -> Iterator[tuple[int, dict | None, str | None]]:
     """(line number, record, problem) per non-blank line; a bad line gives (n, None, reason)."""
-    with open(path, "rb") as fh:
-        for line_no, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                yield line_no, None, "invalid_utf8"
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                yield line_no, None, "malformed_jsonl"
-                continue
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                yield line_no, None, "bad_record"
-                continue
-            record["id"] = str(record.get("id", f"{path.stem}:{line_no}"))
-            yield line_no, record, None
+    for line in iter_jsonl(path):
+        record = line.value
+        if line.problem is not None:
+            yield line.number, None, line.problem
+        elif not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            yield line.number, None, "bad_record"
+        else:
+            record["id"] = str(record.get("id", f"{path.stem}:{line.number}"))
+            yield line.number, record, None
 
 
 def n_bytes(text: str) -> int:

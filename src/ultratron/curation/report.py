@@ -64,7 +64,7 @@ def write_report(cfg, summaries: list[dict], log: Callable[[str], None] = print)
               "final": {k: summaries[-1][k] for k in ("docs_out", "bytes_out")} if summaries else {},
               "decisions": str(out / "decisions.jsonl")}
     for s in summaries:
-        if s["stage"] == "shard":
+        if s["stage"] in ("shard", "write-chat"):
             report["trainer_data_path"] = s["trainer_data_path"]
         if s["stage"] == "tokenize":
             report["tokenizer_audit_warnings"] = s["audit_warnings"]

@@ -165,6 +165,17 @@ def check_messages(record) -> list[dict]:
     return out
 
 
+INSTRUCTION_ROLES = ("system", "developer")
+
+
+def conversation_text(messages: list[dict]) -> str:
+    """What curation measures of a checked conversation (dedup, length and quality filters): the
+    contents of its turns, blank-line separated, without the template's markup (a role header in
+    every turn would read as repeated lines to the filters) and without system or developer
+    prompts (one prompt shared by many conversations would make them near duplicates)."""
+    return "\n\n".join(m["content"] for m in messages if m["role"] not in INSTRUCTION_ROLES)
+
+
 def render_conversation(messages: list[dict], tokenizer) -> Rendered:
     """Token ids of a conversation with the loss mask on its assistant turns (see the module
     docstring). Reject when the template does not render the conversation as a sequence of

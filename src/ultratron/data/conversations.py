@@ -30,7 +30,7 @@ import numpy as np
 from ultratron import atomic
 from ultratron.data.chat import Reject, Rendered, check_messages, render, render_conversation
 from ultratron.data.shards import DOC_START, LOSS, ShardWriter
-from ultratron.data.sources import held_out, walk_files
+from ultratron.data.sources import held_out, iter_jsonl, walk_files
 from ultratron.data.tokenizer import Tokenizer
 from ultratron.errors import DataError
 
@@ -69,16 +69,12 @@ def iter_records(path: str | Path) -> Iterator[tuple[str, object]]:
     root = Path(path)
     for file in chat_files(root).values():
         rel = file.name if root.is_file() else str(file.relative_to(root))
-        with file.open("rb") as fh:
-            for line_no, raw in enumerate(fh, start=1):
-                if not raw.strip():
-                    continue
-                where = f"{rel}:{line_no}"
-                try:
-                    record = json.loads(raw.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                    yield where, Reject("invalid_json", f"not valid UTF-8 JSON ({err})")
-                    continue
+        for line in iter_jsonl(file):
+            where = f"{rel}:{line.number}"
+            if line.problem is not None:
+                yield where, Reject("invalid_json", f"not valid UTF-8 JSON ({line.detail})")
+            else:
+                record = line.value
                 yield str(record.get("id", where)) if isinstance(record, dict) else where, record
 
 

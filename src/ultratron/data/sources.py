@@ -15,6 +15,7 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from ultratron.errors import DataError
 
@@ -30,6 +31,34 @@ BUILTIN_EXCLUDED_DIRS = frozenset({
 class Document:
     id: str
     text: str
+
+
+class JsonLine(NamedTuple):
+    """One non-blank line of a JSONL file: its number (from 1), its bytes, and its parsed value —
+    or, for a line that is not UTF-8 JSON, the problem (`invalid_utf8` or `malformed_jsonl`) and
+    the decoder's message."""
+
+    number: int
+    raw: bytes
+    value: object = None
+    problem: str | None = None
+    detail: str | None = None
+
+
+def iter_jsonl(path: str | Path) -> Iterator[JsonLine]:
+    """Every non-blank line of a JSONL file, parsed; a bad line comes with its problem instead of
+    stopping the reader, so each reader counts it and goes on (its own rules say what a good
+    value is)."""
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            try:
+                yield JsonLine(number, raw, json.loads(raw.decode("utf-8")))
+            except UnicodeDecodeError as err:
+                yield JsonLine(number, raw, problem="invalid_utf8", detail=str(err))
+            except json.JSONDecodeError as err:
+                yield JsonLine(number, raw, problem="malformed_jsonl", detail=err.msg)
 
 
 def builtin_corpus_root() -> Path:
@@ -75,19 +104,16 @@ def iter_builtin() -> Iterator[Document]:
 
 
 def _iter_jsonl(path: Path, doc_prefix: str) -> Iterator[Document]:
-    with path.open("rb") as fh:
-        for line_no, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
-            line = _decode(raw, f"{path}:{line_no}", strict=True)
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise DataError(f'{path}:{line_no}: each JSONL line must be an object with a string "text" field')
-            doc_id = str(record.get("id", f"{doc_prefix}:{line_no}"))
-            yield Document(id=doc_id, text=record["text"])
+    for line in iter_jsonl(path):
+        where = f"{path}:{line.number}"
+        if line.problem == "invalid_utf8":
+            _decode(line.raw, where, strict=True)  # raises, saying where the bad byte is
+        if line.problem is not None:
+            raise DataError(f"{where}: not valid JSON ({line.detail})")
+        record = line.value
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise DataError(f'{where}: each JSONL line must be an object with a string "text" field')
+        yield Document(id=str(record.get("id", f"{doc_prefix}:{line.number}")), text=record["text"])
 
 
 def iter_path(path: str | Path, extensions: tuple[str, ...] = (".txt",)) -> Iterator[Document]:

@@ -24,6 +24,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ultratron.data.sources import iter_jsonl
 from ultratron.errors import TaskError
 
 
@@ -99,14 +100,10 @@ def _from_record(record: dict, where: str) -> tuple[str, object]:
 
 def load_jsonl_task(path: Path) -> Task:
     kinds, examples = set(), []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise TaskError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
-        kind, example = _from_record(record, f"{path}:{line_no}")
+    for line in iter_jsonl(path):
+        if line.problem is not None:
+            raise TaskError(f"{path}:{line.number}: not valid UTF-8 JSON ({line.detail})")
+        kind, example = _from_record(line.value, f"{path}:{line.number}")
         kinds.add(kind)
         examples.append(example)
     if not examples:

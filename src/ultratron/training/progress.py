@@ -59,12 +59,18 @@ class Reporter:
             return
         if self._bar is not None:
             self._bar.update(1)
+            counted = {"loss_tok_s": f"{record['loss_tokens_per_sec']:,.0f}"} if "loss_tokens" in record else {}
             self._bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
-                                  tok_s=f"{record['tokens_per_sec']:,.0f}", mfu=f"{record['mfu']:.0%}")
+                                  tok_s=f"{record['tokens_per_sec']:,.0f}", mfu=f"{record['mfu']:.0%}", **counted)
         elif self.log_interval > 0 and record["step"] % self.log_interval == 0:
-            answers = f" ({record['loss_tokens']:,} in the loss)" if "loss_tokens" in record else ""
-            self(f"step {record['step']}: loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3f} "
-                 f"lr {record['lr']:.2e} {record['tokens_per_sec']:,.0f} tok/s{answers} mfu {record['mfu']:.1%}")
+            masked = "loss_tokens" in record  # then tok/s and mfu count every position, and the loss's are added
+            line = (f"step {record['step']}: loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3f} "
+                    f"lr {record['lr']:.2e} {record['tokens_per_sec']:,.0f} {'positions' if masked else 'tok'}/s "
+                    f"mfu {record['mfu']:.1%}")
+            if masked:
+                line += (f"; in the loss {record['loss_tokens']:,} tokens ({record['loss_tokens_total']:,} so far), "
+                         f"{record['loss_tokens_per_sec']:,.0f}/s, mfu {record['loss_tokens_mfu']:.1%}")
+            self(line)
 
     def close(self) -> None:
         if self._bar is not None:

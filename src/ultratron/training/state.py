@@ -26,19 +26,21 @@ def set_rng_state(state: dict) -> None:
 
 
 class TrainState(Stateful):
-    """The step counter, the tokens trained on (which a batch ramp follows) and the loader's
-    position; the RNGs are captured when saved."""
+    """The step counter, the tokens trained on (which a batch ramp follows), the tokens that
+    counted in the loss (runs with a loss mask) and the loader's position; the RNGs are captured
+    when saved."""
 
     def __init__(self, loader, config: dict | None = None):
         self.step = 0
-        self.tokens = 0
+        self.tokens = 0  # positions computed
+        self.loss_tokens = 0  # of those, the targets the loss counted (counted only where some do not)
         self.loader = loader
         self.config = config or {}
         self.saved_config: dict = {}  # the config of the run a loaded checkpoint was written by
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens, "loader": self.loader.state_dict(), "rng": rng_state(),
-                "config": self.config}
+        return {"step": self.step, "tokens": self.tokens, "loss_tokens": self.loss_tokens,
+                "loader": self.loader.state_dict(), "rng": rng_state(), "config": self.config}
 
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state["loader"])  # a global position: any layout reads on from it
@@ -48,3 +50,4 @@ class TrainState(Stateful):
         # (checkpoints from before the ramp hold no tokens: they trained at a fixed batch)
         fixed = self.step * int(self.config.get("training", {}).get("batch_tokens", 0))
         self.tokens = int(state.get("tokens", fixed))
+        self.loss_tokens = int(state.get("loss_tokens", 0))  # (not counted before this was kept)

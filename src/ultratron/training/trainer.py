@@ -61,6 +61,7 @@ class TrainResult:
     sample: str | None
     checkpoint: Path | None
     peak_source: str
+    loss_tokens: int | None = None  # of the positions trained on, those the loss counted (runs with a loss mask)
 
 
 class Trainer:
@@ -94,7 +95,7 @@ class Trainer:
         self.optimizer = self.axes.wrap_optimizer(build_optimizer(self.model, cfg.optim))
         self.batch = BatchSchedule.from_config(cfg)  # tokens per step: fixed, or a ramp
         self.strategy = TrainStep(parallel, self.device, t.precision, t.z_loss, t.compile,
-                                  count_loss_tokens=cfg.data.format == "chat")
+                                  count_loss_tokens=cfg.data.format == "chat" or cfg.data.documents)
         self.routers = RouterStats(self.model, self.axes)
         self.state = TrainState(self.train_loader, to_dict(cfg))
         # under LoRA a checkpoint holds the adapters (and their optimizer state); the frozen model is
@@ -165,13 +166,24 @@ class Trainer:
                                                self.checkpoints.last):
                 self.log.record(result)
             sample = self.sample() if self.step == total and t.sample_tokens > 0 else None
+            self._log_loss_tokens()
         finally:
             write_memory_peak(self.run_dir, self.dims.rank, self.device)
             self.checkpoints.close()
             self.periodic.close()
             self.log.close()
+        return self._result(losses, first_val, val, sample)
+
+    def _result(self, losses: list[float], first_val: float | None, val: float | None, sample: str | None):
         return TrainResult(self.run_dir, self.step, losses[0] if losses else None, losses[-1] if losses else None,
-                           first_val, val, sample, self.checkpoints.last, self.mfu.source)
+                           first_val, val, sample, self.checkpoints.last, self.mfu.source,
+                           self.state.loss_tokens if self.strategy.count_loss_tokens else None)
+
+    def _log_loss_tokens(self) -> None:
+        """A masked run's totals: the positions trained on and, of them, the tokens the loss counted."""
+        if self.strategy.count_loss_tokens:
+            self.log(f"trained {self.state.tokens:,} positions; {self.state.loss_tokens:,} of them counted in "
+                     f"the loss ({self.state.loss_tokens / max(self.state.tokens, 1):.1%})")
 
     def total_steps(self) -> int:
         """Optimizer steps of the whole run: training.steps, or under a batch ramp as many as reach
@@ -208,16 +220,25 @@ class Trainer:
             self.log(line)
         self.state.step += 1
         self.state.tokens += tokens
+        self.state.loss_tokens += self.strategy.loss_tokens
         elapsed = time.perf_counter() - start
         self.profiler.after(self.step)
         tokens_per_sec = tokens / elapsed
+        mfu = self.mfu(tokens_per_sec)
         return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                 "tokens": self.state.tokens, "tokens_per_sec": tokens_per_sec,
-                "step_time": elapsed, "mfu": self.mfu(tokens_per_sec), **self.train_loader.metrics(), **moe, **axes} | (
+                "step_time": elapsed, "mfu": mfu, **self.train_loader.metrics(), **moe, **axes} | (
                     {"skipped": 1} if skipped else {}) | ({"batch_tokens": tokens} if self.batch.ramped else {}) | (
-                    # chat data: the answer tokens, the only ones the loss counts (tokens and MFU count
-                    # every position computed, prompts and padding too: docs/finetune.md)
-                    {"loss_tokens": self.strategy.loss_tokens} if self.strategy.count_loss_tokens else {})
+                    self._loss_token_metrics(tokens, elapsed, mfu) if self.strategy.count_loss_tokens else {})
+
+    def _loss_token_metrics(self, tokens: int, elapsed: float, mfu: float) -> dict:
+        """A masked run's tokens that counted in the loss (chat answers; all but each document's first
+        target): this step's, all so far, per second, and the MFU they alone would give. `tokens`,
+        `tokens_per_sec` and `mfu` count every position computed, the work the hardware did
+        (docs/finetune.md)."""
+        counted = self.strategy.loss_tokens
+        return {"loss_tokens": counted, "loss_tokens_total": self.state.loss_tokens,
+                "loss_tokens_per_sec": counted / elapsed, "loss_tokens_mfu": mfu * counted / tokens}
 
     def _validate(self, record_alone: bool = False) -> float | None:
         """The validation loss, logged (at step 0 also written as a metrics record of its own)."""
@@ -239,6 +260,10 @@ class Trainer:
                  f"batch {t.batch_tokens:,} tokens = {cfg.grad_accum_steps} × {t.micro_batch_size} × {t.seq_len}{dp}; "
                  f"device {self.device}; precision {t.precision}")
         self.log(f"mfu: peak {self.mfu.peak / 1e12:.3g} TFLOP/s ({self.mfu.source})")
+        if self.strategy.count_loss_tokens:
+            self.log("loss mask: batch_tokens, tok/s and mfu count every position computed; the tokens the loss "
+                     "counts are reported beside them (loss_tokens: this step, loss_tokens_total, loss_tokens_per_sec, "
+                     "loss_tokens_mfu)")
         if cfg.lora.rank > 0:
             trainable, total = count_trainable(self.model)
             self.log(f"lora: rank {cfg.lora.rank} on {','.join(cfg.lora.targets)}: {trainable:,} of {total:,} "

@@ -21,6 +21,7 @@ from ultratron.curation.stages import (
     shard,
     substring_dedup,
     tokenize,
+    write_chat,
 )
 
 RUNNERS: dict[str, Callable[[StageContext], dict]] = {
@@ -33,4 +34,5 @@ RUNNERS: dict[str, Callable[[StageContext], dict]] = {
     "perplexity": perplexity.run,
     "tokenize": tokenize.run,
     "shard": shard.run,
+    "write-chat": write_chat.run,
 }

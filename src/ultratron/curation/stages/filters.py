@@ -2,6 +2,8 @@
 
 Groups (enable any subset with `filter.enabled`), with their sources:
 
+- `length` — plain bounds on the characters of the text (`min_chars`, `max_chars`; off by
+  default): the filter that fits conversations, which the prose rules below were not made for.
 - `gopher_repetition` — Rae et al. 2021 (Gopher, App. A Table A1), as in datatrove's
   GopherRepetitionFilter: duplicate line/paragraph fractions (by count and by characters),
   the most common 2/3/4-gram's character share, the share of characters in duplicated
@@ -294,7 +296,15 @@ def punctuation(text: str, f) -> Verdict:
     return None, None
 
 
-CHECKS = {"gopher_repetition": gopher_repetition, "gopher_quality": gopher_quality,
+def length(text: str, f) -> Verdict:
+    if len(text) < f.min_chars:
+        return "min_chars", len(text)
+    if f.max_chars and len(text) > f.max_chars:
+        return "max_chars", len(text)
+    return None, None
+
+
+CHECKS = {"length": length, "gopher_repetition": gopher_repetition, "gopher_quality": gopher_quality,
           "fineweb": fineweb, "punctuation": punctuation}
 
 

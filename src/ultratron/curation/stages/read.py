@@ -2,21 +2,29 @@
 
 Sources: the built-in corpus (`builtin`), a directory or file of text (.txt/.md/.py…),
 JSONL (`text`, optional `id`, other fields carried along) and Parquet (a `text` column, optional
-`id`). Unlike `ultratron.data.sources` (which the trainer's short road uses and which stops at
-the first bad file), this reader never stops: invalid UTF-8, binary files, empty and oversized
-documents, malformed JSONL lines and bad Parquet rows are each logged as removed, with a reason.
+`id`); with `read.format = "chat"`, JSONL conversations in the messages format (or the built-in
+conversation set for `builtin`), one conversation a document. Unlike `ultratron.data.sources`
+(which the trainer's short road uses and which stops at the first bad file), this reader never
+stops: invalid UTF-8, binary files, empty and oversized documents, malformed JSONL lines and bad
+Parquet rows are each logged as removed, with a reason; so are conversations the trainer would
+reject (no messages, a missing or unknown role, content that is not text, no assistant turn),
+under the trainer's reasons.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ultratron.curation.frame import PartWriter, StageContext, part_done
-from ultratron.data.sources import BUILTIN_EXCLUDED_DIRS, builtin_corpus_root, walk_files
+from ultratron.data.chat import Reject, check_messages, conversation_text
+from ultratron.data.conversations import builtin_conversations
+from ultratron.data.sources import BUILTIN_EXCLUDED_DIRS, builtin_corpus_root, iter_jsonl, walk_files
 from ultratron.errors import DataError
+
+BUILTIN_CHAT = "builtin.jsonl"  # the source name of the built-in conversation set (read.format = "chat")
 
 # An item is (id, record or None, reason or None, raw size in bytes, snippet for the report).
 Item = tuple[str, dict | None, str | None, int, str | None]
@@ -92,24 +100,37 @@ def _iter_text_file(path: Path, doc_id: str, cfg) -> Iterator[Item]:
     yield doc_id, ({"id": doc_id, "text": text} if text is not None else None), reason, size, None
 
 
-def _iter_jsonl(path: Path, prefix: str, cfg) -> Iterator[Item]:
-    with open(path, "rb") as fh:
-        for line_no, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
-            where = f"{prefix}:{line_no}"
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                yield where, None, "invalid_utf8", len(raw), None
-                continue
-            except json.JSONDecodeError:
-                yield where, None, "malformed_jsonl", len(raw), raw[:80].decode("utf-8", "replace")
-                continue
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                yield where, None, "bad_record", len(raw), raw[:80].decode("utf-8", "replace")
-                continue
-            yield from _checked(record, str(record.get("id", where)), cfg)
+def _iter_jsonl(path: Path, prefix: str, cfg, document: Callable) -> Iterator[Item]:
+    """Each line of a JSONL file as `document(value, prefix, line number, raw line, cfg)`'s items,
+    or as a bad line."""
+    for line in iter_jsonl(path):
+        where = f"{prefix}:{line.number}"
+        if line.problem is not None:
+            snippet = line.raw[:80].decode("utf-8", "replace") if line.problem == "malformed_jsonl" else None
+            yield where, None, line.problem, len(line.raw), snippet
+        else:
+            yield from document(line.value, prefix, line.number, line.raw, cfg)
+
+
+def _text_record(record, prefix: str, line_no: int, raw: bytes, cfg) -> Iterator[Item]:
+    where = f"{prefix}:{line_no}"
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        yield where, None, "bad_record", len(raw), raw[:80].decode("utf-8", "replace")
+        return
+    yield from _checked(record, str(record.get("id", where)), cfg)
+
+
+def _conversation(record, prefix: str, line_no: int, raw: bytes, cfg) -> Iterator[Item]:
+    """A chat record (read.format = "chat") as a document: its text is `conversation_text` (what
+    dedup and filters measure), the record itself rides along unchanged for `write-chat`."""
+    where = f"{prefix}:{line_no}"
+    try:
+        messages = check_messages(record)
+    except Reject as reject:  # the trainer's own rules, so what survives here it can train on
+        yield where, None, reject.reason, len(raw), raw[:80].decode("utf-8", "replace")
+        return
+    document = {"text": conversation_text(messages), "source": prefix, "conversation": record}
+    yield from _checked(document, str(record.get("id", where)), cfg)
 
 
 def _checked(record: dict, doc_id: str, cfg) -> Iterator[Item]:
@@ -154,6 +175,11 @@ def _iter_parquet(path: Path, prefix: str, cfg) -> Iterator[Item]:
 
 def iter_source(source: str, cfg) -> Iterator[Item]:
     """Every input item of `source` ("builtin", a file or a directory), in a fixed order."""
+    chat = cfg.read.format == "chat"
+    if source == "builtin" and chat:
+        for n, record in enumerate(builtin_conversations(), start=1):
+            yield from _conversation(record, BUILTIN_CHAT, n, json.dumps(record).encode(), cfg)
+        return
     if source == "builtin":
         root = builtin_corpus_root()
         for path in walk_files(root, (".py",), BUILTIN_EXCLUDED_DIRS):
@@ -162,14 +188,14 @@ def iter_source(source: str, cfg) -> Iterator[Item]:
     root = Path(source)
     if not root.exists():
         raise DataError(f"pipeline.input {source!r} does not exist (use 'builtin' for the built-in corpus)")
-    extensions = tuple(e.strip() for e in cfg.read.extensions.split(",") if e.strip())
+    extensions = (".jsonl",) if chat else tuple(e.strip() for e in cfg.read.extensions.split(",") if e.strip())
     files = [(root, None)] if root.is_file() else walk_sources(root, extensions)
     for path, problem in files:
         rel = path.name if root.is_file() else str(path.relative_to(root))
         if problem is not None:
             yield rel, None, problem, 0, f"{rel} -> {os.readlink(path)}" if path.is_symlink() else rel
-        elif path.suffix == ".jsonl":
-            yield from _iter_jsonl(path, rel, cfg)
+        elif chat or path.suffix == ".jsonl":
+            yield from _iter_jsonl(path, rel, cfg, _conversation if chat else _text_record)
         elif path.suffix == ".parquet":
             yield from _iter_parquet(path, rel, cfg)
         else:
