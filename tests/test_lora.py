@@ -153,3 +153,44 @@ def test_a_lora_run_resumes_exactly_from_its_adapter_checkpoint(tiny_overrides, 
     assert sorted(resumed) == list(range(1, 7))
     assert all(abs(whole[s] - resumed[s]) <= 1e-6 for s in range(4, 7)), (whole, resumed)
     assert whole[6] < whole[1]
+
+
+def test_tensor_parallel_splits_each_adapter_as_its_layer():
+    """Under tp2 with sequence parallel (one process in a fake group of two: shapes and placements,
+    no data): column-parallel layers (q, k, v, gate, up) split B along their output features and keep
+    A whole, row-parallel ones (o, down) split A along their input features and keep B whole; the
+    frozen model stays frozen (sequence parallel's norms too). That the numbers are one process's is
+    tests/distributed/test_dist_chat_lora.py's part."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ultratron.parallel.dims import ParallelDims
+    from ultratron.parallel.tensor import apply_tensor_parallel
+    from ultratron.planning.lora import adapter_params_per_layer
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        dims = ParallelDims(tp=2, sp=True, world_size=2)
+        dims.mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        model, _ = apply_tensor_parallel(_adapted(), dims, PLAN)
+        layers = dict(model.named_modules())
+        for target, layer in PLAN.lora_targets.items():
+            module = layers[f"layers.0.{layer}"]
+            a, b = module.lora_a, module.lora_b
+            out, inp = module.weight.shape
+            if target in ("o", "down"):
+                assert (a.placements, b.placements) == ((Shard(1),), (Replicate(),)), target
+                assert (a.to_local().shape, b.to_local().shape) == ((8, inp // 2), (out, 8)), target
+            else:
+                assert (a.placements, b.placements) == ((Replicate(),), (Shard(0),)), target
+                assert (a.to_local().shape, b.to_local().shape) == ((8, inp), (out // 2, 8)), target
+        trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        assert set(trainable) == {n for n in dict(model.named_parameters()) if n.endswith((".lora_a", ".lora_b"))}
+        assert len(trainable) == 2 * 2 * 7
+        # what the planner counts on a tp rank is what this rank holds
+        held = sum(p.to_local().numel() for p in trainable.values())
+        assert held == 2 * adapter_params_per_layer(model.args, 8, ALL, tp=2)
+    finally:
+        dist.destroy_process_group()

@@ -19,7 +19,8 @@ import math
 import torch
 from torch import nn
 
-ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
+ADAPTERS = ("lora_a", "lora_b")  # the adapters' names on their linear layer
+ADAPTER_SUFFIXES = tuple("." + name for name in ADAPTERS)
 LORA_FILE = "lora.json"  # in a checkpoint of adapters: their shape and the checkpoint of the model under them
 
 
