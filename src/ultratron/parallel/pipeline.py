@@ -143,7 +143,9 @@ class TiedGradients:
         self.enabled = bool(copies)
         self.group = _tied_pair_group(dims, pipeline) if self.enabled else None
         params = dict(part.named_parameters())  # the original and/or the copy, as this rank holds them
-        self.mine = [params[name] for name in (*copies.values(), *copies) if name in params]
+        # a frozen table (LoRA's) has no gradients, and its copies stay equal
+        self.mine = [params[name] for name in (*copies.values(), *copies)
+                     if name in params and params[name].requires_grad]
 
     @torch.no_grad()
     def __call__(self) -> None:

@@ -106,7 +106,8 @@ class LlamaStage(nn.Module):
         self.output = model.output if last else None
         source_embedding = getattr(model, "tok_embeddings", None)
         if last and source_embedding is not None and model.output.weight is source_embedding.weight:
-            self.output.weight = nn.Parameter(source_embedding.weight.detach().clone())  # untie: a copy
+            table = source_embedding.weight  # untie: a copy, frozen if the table is (under LoRA)
+            self.output.weight = nn.Parameter(table.detach().clone(), requires_grad=table.requires_grad)
         # tied parameters across the pipeline: the last stage's copy → the first stage's original
         self.tied_copies = {"output.weight": "tok_embeddings.weight"} if model.args.tie_embeddings else {}
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
