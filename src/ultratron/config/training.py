@@ -366,11 +366,9 @@ def validate(cfg: Config) -> None:
                      "model.init_from (e.g. a run `ultratron import hf` wrote)")
         if not cfg.lora.targets:
             p.append("lora.targets is empty: name the linear layers that get adapters, e.g. q,k,v,o,gate,up,down")
-        if par.tp > 1 or par.pp > 1 or par.cp > 1 or par.ep > 1:
-            p.append(f"LoRA (lora.rank={cfg.lora.rank}) does not yet work with tp, pp, cp or ep > 1 "
-                     f"(parallel.tp={par.tp}, pp={par.pp}, cp={par.cp}, ep={par.ep}); use data parallelism")
-        if m.n_experts:
-            p.append("LoRA adapts the dense linear layers; a mixture-of-experts model is not supported yet")
+        if m.n_experts:  # (and so expert parallelism, which only a mixture of experts takes)
+            p.append("LoRA adapts the dense linear layers; a mixture-of-experts model (model.n_experts="
+                     f"{m.n_experts}, parallel.ep={par.ep}) is not supported yet")
         if t.cpu_linear != "aten":
             p.append("LoRA adds its adapters around torch's own linear layers; use training.cpu_linear=aten")
     if cfg.data.format == "chat" and cfg.data.sources:
