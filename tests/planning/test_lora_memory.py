@@ -1,6 +1,7 @@
 """The planner's LoRA: its adapter count is the trainer's (one formula, checked against the adapted
 model), the published figure for Llama-3-8B, and plan memory gives the frozen weights their
-parameter bytes only and the adapters every term."""
+parameter bytes only and the adapters every term, split over tp as the trainer splits them
+(tests/test_lora.py checks a tp rank's adapters against the same formula)."""
 
 import pytest
 
@@ -41,3 +42,14 @@ def test_plan_memory_freezes_the_model_and_trains_the_adapters():
     assert lora.parameters == pytest.approx(full.parameters + adapters * 4 / 8)
     assert lora.activations == full.activations
     assert full.peak_bytes - lora.peak_bytes > 0.9 * (full.gradients + full.optimizer_states)
+
+
+def test_plan_memory_splits_the_adapters_over_tp_as_the_trainer_does():
+    shape = PRESETS["llama3-8b"]
+    targets = ("q", "k", "v", "o", "gate", "up", "down")
+    lora = estimate_memory(shape, Layout(dp=4, tp=2, zero=3, seq_len=4096, precision="bf16"), lora=(16, targets))
+    # per block at r = 16, tp 2 (dim 4096, q 4096, k/v 1024, FFN 14336): q, k, v, gate, up keep A
+    # whole and halve B, o and down halve A and keep B: 16 · (4096 + 2048 + 2 · (4096 + 512) +
+    # 2048 + 4096 + 3 · (4096 + 7168)) = 884,736; 32 blocks
+    assert lora.extra["lora_params_on_gpu"] == 32 * 884_736
+    assert lora.optimizer_states == pytest.approx(32 * 884_736 * 8 / 4)  # fp32 moments, ZeRO-3 over dp 4

@@ -31,7 +31,8 @@ place of the dense SwiGLU's (`planning.activations`); the all-to-all's send and 
 expert parallelism (in comm_buffers).
 
 LoRA (`lora=(rank, targets)`, `planning.lora`): the model's own weights are frozen and hold their
-parameter bytes only; the adapters of the rank's layers hold every static term, sharded as above.
+parameter bytes only; the adapters of the rank's layers, split over tp as the trainer splits them
+(one factor of each adapted layer's A · B, the other whole), hold every static term, sharded as above.
 Activations are priced as without LoRA (the adapters' own, tokens × rank per adapted layer, are
 small beside them).
 
@@ -294,7 +295,7 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
     if lora is not None:
         # LoRA: the model's own weights are frozen — their parameters only, no gradients, no
         # optimizer state; the adapters (of this rank's layers) carry every term, sharded alike
-        adapters = adapter_params_per_layer(shape, *lora) * sum(where.layers) / t
+        adapters = adapter_params_per_layer(shape, *lora, tp=t) * sum(where.layers)
         static = {name: adapters * getattr(st, name) for name in static}
         static["parameters"] += sharded * st.parameters + experts * se.parameters
     return MemoryBreakdown(
