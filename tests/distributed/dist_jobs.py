@@ -175,8 +175,9 @@ def train_joining_the_group_itself(base: list[str], out_dir: str) -> None:
 
 def grad_norms(base: list[str], layouts: list[list[str]], out_dir: str) -> None:
     """For each layout, after one step's forward and backward: the global gradient norm the trainer
-    clips by, and the norm of every parameter's whole gradient (DTensors gathered, each parameter
-    once, tied copies left out, in float64), written to out_dir/rank<r>.json."""
+    clips by, the norm of every parameter's whole gradient (DTensors gathered, each parameter once,
+    tied copies left out, in float64), and the parameters whose gradient is still a partial sum,
+    written to out_dir/rank<r>.json."""
     import json
     import math
     from pathlib import Path
@@ -194,6 +195,8 @@ def grad_norms(base: list[str], layouts: list[list[str]], out_dir: str) -> None:
         trainer.strategy.forward_backward(trainer.train_loader.next_batch, trainer.cfg.grad_accum_steps)
         uncounted = {id(p) for axis in trainer.axes for p in axis.uncounted()}
         whole = 0.0
+        partial = [n for n, p in trainer.model.named_parameters()
+                   if isinstance(p.grad, DTensor) and any(x.is_partial() for x in p.grad.placements)]
         for param in {id(p): p for p in trainer.model.parameters()}.values():
             if param.grad is None or id(param) in uncounted:
                 continue
@@ -203,7 +206,8 @@ def grad_norms(base: list[str], layouts: list[list[str]], out_dir: str) -> None:
             total = torch.tensor(whole, dtype=torch.float64)
             dist.all_reduce(total, group=trainer.dims.pp_group)
             whole = float(total)
-        results.append({"clipped_by": float(trainer.axes.clip_grad_norm(math.inf)), "whole": math.sqrt(whole)})
+        results.append({"clipped_by": float(trainer.axes.clip_grad_norm(math.inf)), "whole": math.sqrt(whole),
+                        "partial": partial})
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
 
 

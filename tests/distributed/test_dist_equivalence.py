@@ -85,3 +85,5 @@ def test_the_clipped_norm_is_the_norm_of_the_whole_gradients(norms, name):
     for rank in range(2):
         got = norms[rank][name]
         assert abs(got["clipped_by"] - got["whole"]) <= 1e-6 * got["whole"], (rank, got)
+        # summed over the tp ranks once after backward, not again by every optimizer op (parallel/tensor.py)
+        assert got["partial"] == [], (rank, got["partial"])
