@@ -41,6 +41,7 @@ LAYOUTS: dict[str, list[str]] = {
     "8b-8-zero1-tp2": _layout("llama3-8b", 8192, dp=4, tp=2, zero=1),
     "8b-8-tp8": _layout("llama3-8b", 8192, dp=1, tp=8, zero=1),
     "8b-64-zero3": _layout("llama3-8b", 8192, dp=64),
+    "8b-64-zero1": _layout("llama3-8b", 8192, dp=64, zero=1),  # DDP + ZeroRedundancyOptimizer
     "8b-64-zero1-tp8": _layout("llama3-8b", 8192, dp=8, tp=8, zero=1),
     "8b-64-tp8-pp2": _layout("llama3-8b", 8192, dp=4, tp=8, pp=2, zero=1),
     "8b-64-tp4-pp4": _layout("llama3-8b", 8192, dp=4, tp=4, pp=4, zero=1),
