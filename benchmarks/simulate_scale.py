@@ -7,8 +7,8 @@ host memory (the largest child's peak RSS).
 The layouts are the issue's: Llama-3 8B at 8, 64 and 256 ranks (ZeRO 1 and 3, tp + sp, pp),
 70B at 512 and 1,024 ranks (tp8 × pp × dp), 405B at 2,048, a DeepSeek-V3-like mixture of experts
 with ep 8–64, and cp for 128k-token sequences. Every run is the default role selection (one rank
-per distinct pipeline role). A layout the trainer cannot run (e.g. DDP: zero 0/1 without tp or pp)
-is reported as an error line, not skipped silently. Sequence lengths are 8192 (128k for cp), one
+per distinct pipeline role). A layout that cannot be simulated is reported as an error line, not
+skipped silently. Sequence lengths are 8192 (128k for cp), one
 micro-batch per rank and step unless the pipeline needs more (grad_accum = 2·pp).
 """
 
@@ -37,9 +37,11 @@ def _layout(model: str, seq: int, dp: int, tp: int = 1, pp: int = 1, cp: int = 1
 
 LAYOUTS: dict[str, list[str]] = {
     "8b-8-zero3": _layout("llama3-8b", 8192, dp=8),
+    "8b-8-zero1": _layout("llama3-8b", 8192, dp=8, zero=1),  # DDP + ZeroRedundancyOptimizer
     "8b-8-zero1-tp2": _layout("llama3-8b", 8192, dp=4, tp=2, zero=1),
     "8b-8-tp8": _layout("llama3-8b", 8192, dp=1, tp=8, zero=1),
     "8b-64-zero3": _layout("llama3-8b", 8192, dp=64),
+    "8b-64-zero1": _layout("llama3-8b", 8192, dp=64, zero=1),  # DDP + ZeroRedundancyOptimizer
     "8b-64-zero1-tp8": _layout("llama3-8b", 8192, dp=8, tp=8, zero=1),
     "8b-64-tp8-pp2": _layout("llama3-8b", 8192, dp=4, tp=8, pp=2, zero=1),
     "8b-64-tp4-pp4": _layout("llama3-8b", 8192, dp=4, tp=4, pp=4, zero=1),

@@ -87,6 +87,51 @@ def test_a_planted_collective_mismatch_is_named(plant, op):
     assert "rank 0" in line and "rank 2" in line and "call " in line and op in line, line
 
 
+# DDP (zero 0) and DDP + ZeroRedundancyOptimizer (zero 1): two layers of dim 256 make 1.31M
+# parameters, 5.2 MB of fp32 gradients, so DDP's buckets are two (the first ≥ 1 MiB, the rest under
+# 25 MiB); two micro-batches, so the first runs under no_sync.
+DDP = SMALL + ["--model.n_layers", "2", "--model.dim", "256", "--model.ffn_dim", "512", "--parallel.dp", "2",
+               "--training.batch_tokens", "2048"]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs():
+    """zero 0 with rank 1 skipping its second bucket's all-reduce (a planted bug; rank 0 is the
+    correct one, measured), and every rank of zero 1."""
+    plant = {"function": "all_reduce", "call": 2, "action": "skip"}
+    return {0: simulate(None, DDP + ["--parallel.zero", "0"], "0,1", plants={1: plant}),
+            1: simulate(None, DDP + ["--parallel.zero", "1"], "all")}
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_ddp_layouts_run_with_torchs_buckets_and_match_the_planner(ddp_runs, zero):
+    result = ddp_runs[zero]
+    params = result["model_params"]
+    rank0 = result["ranks"][0]
+    assert rank0["peak_bytes"] == pytest.approx(rank0["planned_peak_bytes"], rel=0.10)
+    assert rank0["flops"] == pytest.approx(rank0["planned_flops"], rel=0.02)
+    assert rank0["memory"]["gradients"] == 4 * params  # fp32, every parameter (views of the buckets)
+    # zero 1: each rank keeps the moments of its share (ZeroRedundancyOptimizer balances by size:
+    # within the largest tensor, 512 × 256, of half the model)
+    moments = 8 * params / (1 + zero)
+    assert abs(rank0["memory"]["optimizer_states"] - moments) <= 8 * 512 * 256
+    buckets = [c for c in rank0["collectives"] if c["op"] == "all_reduce" and c["shape"]]
+    # torch's rebuilt buckets, in backward's order: the first closes at ≥ 1 MiB of fp32 (torch's
+    # _DEFAULT_FIRST_BUCKET_BYTES), the next holds the rest (< 25 MiB)
+    assert [b["shape"][0] for b in buckets] == [262400, params - 262400]
+    assert 2**20 <= 4 * buckets[0]["shape"][0] < 2**20 + 4 * 512 * 256
+    if zero == 1:  # each rank broadcasts the weights it stepped: every parameter once
+        assert rank0["bytes_by_op"]["broadcast"] == 4 * params
+        assert result["collective_check"] == "ok"
+
+
+def test_a_ddp_rank_that_skips_a_bucket_is_named(ddp_runs):
+    line = ddp_runs[0]["collective_check"]
+    second = ddp_runs[0]["model_params"] - 262400
+    assert line.startswith("collective mismatch in group [0, 1]: call 2 "), line
+    assert f"rank 0 all_reduce float32[{second}], rank 1 all_reduce float32[scalar]" in line, line
+
+
 def test_the_command_prints_json_and_bad_input_is_one_error_line(tmp_path):
     proc = run_cli("simulate", *DP_TP, "--ranks", "0", "--json")
     assert proc.returncode == 0, proc.stderr

@@ -39,6 +39,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ultratron.models.plan import ParallelPlan
 from ultratron.parallel.axis import Axis
@@ -82,8 +83,8 @@ def apply_replicate(model: nn.Module, dims: ParallelDims, plan: ParallelPlan, ro
 
 
 def apply_ddp(model: nn.Module, dims: ParallelDims, ignored: set | None = None) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
+    """torch's DDP, built through the one name `DistributedDataParallel` of this module: `ultratron
+    simulate` puts its stand-in there (simulate/ddp.py), which takes these same arguments."""
     if ignored:
         names = [name for name, p in model.named_parameters() if p in ignored]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)

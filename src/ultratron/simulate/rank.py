@@ -26,6 +26,9 @@ What the fake backend cannot do, and what stands in for it:
     ranks in pipeline order, so the sender runs first; every stage boundary carries the residual
     stream, so a stage whose own sender was not simulated takes another boundary's); the gradient
     metadata a stage receives is derived from its own outputs (their gradients have their shapes).
+  * DDP's C++ reducer keeps the (meta) parameters it was built with and reads its buckets' data:
+    a Python stand-in that buckets, averages and all-reduces as it does takes its place
+    (`simulate/ddp.py`). ZeroRedundancyOptimizer runs as it is.
   * a value read on the host (`.item()`, `float(loss)`) has no value: the simulation does not
     read the loss or the gradient norm.
 
@@ -108,6 +111,15 @@ def _pipeline_metadata(meta_dir: Path) -> None:
     stage.PipelineStage._recv_meta = recv_meta
 
 
+def _stand_in_for_ddp() -> None:
+    """DDP's C++ reducer cannot run on fake tensors: `parallel/data.py` builds the stand-in
+    (`simulate/ddp.py`) in its place."""
+    from ultratron.parallel import data
+    from ultratron.simulate.ddp import StandInDDP
+
+    data.DistributedDataParallel = StandInDDP
+
+
 def _repoint(obj, renamed: dict, depth: int) -> None:
     """Parameters an axis kept at parallelize time (the pipeline's tied copies) → the ones
     `to_empty` put in their place."""
@@ -174,6 +186,7 @@ def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir:
         warnings.filterwarnings("ignore", message="Set timeout is now only supported")
         dims.build_mesh("cpu")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
+    _stand_in_for_ddp()
     parallel = parallelize(build_model(cfg.model, "meta"), dims, cfg)
     built = time.perf_counter()
     recorder = CollectiveRecorder()
@@ -214,7 +227,9 @@ def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir:
         for _ in range(steps - 1):
             one_step()  # creates the optimizer state
         tracker = memory_tracker()
-        tracker.track_external(parallel.model, optimizer)
+        # ZeroRedundancyOptimizer keeps its share's state in its inner optimizer, not in its own `state`
+        inner = [optimizer.optim] if hasattr(optimizer, "optim") else []
+        tracker.track_external(parallel.model, optimizer, *inner)
         static, alive_at_update, update_extra = one_step(tracker)
     memory = memory_split(tracker)
     dist.destroy_process_group()

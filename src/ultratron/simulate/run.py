@@ -42,10 +42,6 @@ def planned_layout(cfg):
 
 
 def _check(cfg) -> None:
-    if cfg.layout.wrapper == "ddp":
-        raise UserError(f"simulate cannot run DDP yet ({cfg.layout.describe()}: data parallelism without tp or pp at "
-                        "zero 0/1): DDP's C++ reducer reads its buckets' data, which fake tensors do not have; "
-                        "simulate with --parallel.zero 2 or 3 (FSDP2) instead")
     counts = count_params_of(cfg.model)
     biggest = max(cfg.model.vocab_size * cfg.model.dim, cfg.model.dim * max(cfg.model.ffn_dim, cfg.model.dim))
     if counts.total > MAX_PARAMS or biggest > MAX_TENSOR_ELEMENTS:
