@@ -136,10 +136,12 @@ def test_fp8_gathers_one_byte_weights_and_runs_the_blocks_matmuls_at_the_fp8_pea
     gathered = bf16["memory"]["parameters"] - fp8["memory"]["parameters"]
     assert gathered == pytest.approx(count_params_of(shape).total * (2 - 1), rel=1e-9)
     # MFU is against the fp8 peak (H100 SXM datasheet: 1,978.9 dense); the blocks' matmuls run at it,
-    # the head and attention at the bf16 one, so the compute takes between a half and all of bf16's
+    # the head and attention at the bf16 one. By hand, per token: blocks 6 × 7.0e9 FLOPs at twice the
+    # rate, head 6 × 0.53e9 and attention 12·L·h·s = 12.9e9 at bf16's: (21 + 3.2 + 12.9) / 58 = 0.64 of
+    # bf16's time (0.61 as modelled, attention's efficiency differing); all at fp8 would be 0.5
     assert fp8["mfu"] == pytest.approx(fp8["tokens_per_sec_per_gpu"] * flops_per_token_of(shape, 8192) / 1978.9e12)
     ratio = fp8["time"]["compute_s"] / bf16["time"]["compute_s"]
-    assert 0.5 < ratio < 0.75, ratio
+    assert 0.55 < ratio < 0.7, ratio
     efficiency = compute_efficiency(shape, Layout(dp=8, zero=2, seq_len=8192, precision="fp8"), 1978.9e12, 3.35e12,
                                     bf16_peak=H100_BF16)
     assert fp8["compute_efficiency"] == pytest.approx(efficiency)

@@ -25,6 +25,7 @@ multiples of 16 (what the fp8 matmul kernels take)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 from torch import nn
@@ -50,14 +51,28 @@ def apply_float8(model: nn.Module, dims: ParallelDims, plan: ParallelPlan, preci
         _check_capability(device)
     targets = float8_targets(model, plan)
     _check_dimensions(targets, dims.tp)
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
+    Float8LinearConfig, convert_to_float8_training = _import_torchao()
     config = Float8LinearConfig.from_recipe_name(scaling)
     fsdp_fp8_gather = scaling == "tensorwise" and dims.uses_fsdp and dims.data_parallel > 1
     config = dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_fp8_gather)
     chosen = {id(module) for module in targets.values()}
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, _: id(module) in chosen)
     return model
+
+
+def _import_torchao():
+    """torchao's float8 training, imported without the warnings its import logs where its CUDA kernel
+    libraries cannot load (on a CPU; the float8 training used here does not need them)."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+    return Float8LinearConfig, convert_to_float8_training
 
 
 def float8_targets(model: nn.Module, plan: ParallelPlan) -> dict[str, nn.Linear]:
