@@ -16,6 +16,10 @@ measured over every layout of these tests and dp2×tp2×pp2 in bf16, 2-core AMD 
         rounding), and the layouts round different tensors: FSDP2's MixedPrecisionPolicy gathers bf16
         weights (the norms' too) and keeps a bf16 residual stream where one process's autocast keeps
         fp32, and tensor parallelism sums partial products in another order.
+  fp8   against fp8 in one process (torchao's float8, emulated): losses and validation losses 2e-3
+        (measured ≤ 1.1e-4), gradient norms 5e-2 (≤ 1.8e-2), weights 0.4 of the update (≤ 0.14):
+        bf16's sources of difference, and each fp8 cast (3 mantissa bits, 2^-4 ≈ 6e-2 per rounding)
+        of a differently rounded tensor can land one fp8 step away.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ BATCH = ["--training.batch_tokens", "1024", "--training.steps", str(STEPS), "--o
 
 
 TOLERANCES = {"fp32": {"loss": 1e-5, "grad_norm": 1e-4, "val_loss": 1e-5, "weights": 3e-4},
-              "bf16": {"loss": 2e-4, "grad_norm": 1e-2, "val_loss": 2e-4, "weights": 0.2}}
+              "bf16": {"loss": 2e-4, "grad_norm": 1e-2, "val_loss": 2e-4, "weights": 0.2},
+              "fp8": {"loss": 2e-3, "grad_norm": 5e-2, "val_loss": 2e-3, "weights": 0.4}}
 
 
 def records(run_dir) -> list[dict]:

@@ -9,6 +9,10 @@ Tied embeddings: one process keeps one table, saved under both names for the wei
 `tok_embeddings.weight` only for the optimizer. A pipeline's last stage keeps a copy of its own as
 `output.weight` (`tied_copies`); its optimizer state is saved and loaded under the original's name,
 so the checkpoint has the same keys in every layout.
+
+Tensor subclasses that wrap a plain tensor (torchao's fp8 weights under FSDP2, `parallel/float8.py`,
+which cast themselves to fp8 when gathered) are saved as the plain fp32 tensor they wrap: a
+checkpoint holds torch's own tensors only, loadable without the library that made them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 # Prefixes that wrappers leave in parameter names (torch.compile, DDP, activation checkpointing).
 WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_checkpoint_wrapped_module.")
@@ -36,6 +42,24 @@ def clean_param_name(name: str) -> str:
     for prefix in WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor a wrapper subclass holds (the tensor itself if it is plain), as a DTensor
+    again when it was the local part of one."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if type(local) in (torch.Tensor, nn.Parameter) or not hasattr(local, "__tensor_flatten__"):
+        return tensor
+    names, _ = local.__tensor_flatten__()
+    inner = getattr(local, names[0])
+    if not isinstance(tensor, DTensor):
+        return inner
+    return DTensor.from_local(inner, tensor.device_mesh, tensor.placements, run_check=False,
+                              shape=tensor.shape, stride=tensor.stride())
+
+
+def _plain_tensors(state: dict) -> dict:
+    return tree_map_only(torch.Tensor, _plain, state)
 
 
 def _is_zero1(optimizer) -> bool:
@@ -114,6 +138,9 @@ class ModelState(Stateful):
         set_model_state_dict(self.model, state, options=StateDictOptions(strict=self.select is None))
 
     def state_dict(self) -> dict:
+        return _plain_tensors(self._state_dict())
+
+    def _state_dict(self) -> dict:
         if self.optimizer is None:
             return {"model": self._model_state(get_model_state_dict(self.model))}
         if _is_zero1(self.optimizer):

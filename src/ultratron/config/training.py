@@ -19,7 +19,7 @@ from ultratron.config.loader import (
     did_you_mean,
     read_toml,
 )
-from ultratron.config.training_rules import profile_problems, ramp_problems
+from ultratron.config.training_rules import fp8_problems, profile_problems, ramp_problems
 from ultratron.data.mixture_spec import parse_mixture
 from ultratron.errors import ConfigError
 from ultratron.fields import option, take_fields, taken_from
@@ -100,6 +100,9 @@ class TrainingConfig:
                                      "it cannot run); docs/performance.md", choices=("aten", "onednn"))
     profile_steps: str = option("", "profile optimizer steps N..M (e.g. 5..7): a torch.profiler trace, an operator "
                                     "table and memory views per rank in RUN_DIR/profile/; empty: off")
+    fp8_scaling: str = option("tensorwise", "under precision fp8, the fp8 scales: tensorwise (one per tensor; under "
+                                            "FSDP2 the weights are all-gathered in fp8) or rowwise (one per row, "
+                                            "powers of two); docs/precision.md", choices=("tensorwise", "rowwise"))
     device: str = option("auto", "auto picks cuda when available", choices=("auto", "cpu", "cuda"))
     threads: int = option(0, "torch intra-op threads on CPU; 0 keeps torch's default")
     stop_after: int = option(0, "stop (with a checkpoint) after this many steps of this invocation, e.g. to fit "
@@ -355,7 +358,7 @@ def validate(cfg: Config) -> None:
         lower = max(micro, t.batch_tokens // micro * micro)
         p.append(f"training.batch_tokens={t.batch_tokens} is not divisible by micro_batch_size × seq_len × dp = "
                  f"{t.micro_batch_size} × {t.seq_len} × {par.dp} = {micro}; try {lower} or {lower + micro}")
-    p += ramp_problems(cfg, micro, p) + profile_problems(t.profile_steps)
+    p += ramp_problems(cfg, micro, p) + profile_problems(t.profile_steps) + fp8_problems(cfg)
     if cfg.data.documents and (par.cp > 1 or par.pp > 1):
         p.append(f"document masking (data.document_masking={cfg.data.document_masking}, data.format="
                  f"{cfg.data.format}) does not yet work with parallel.cp={par.cp} / parallel.pp={par.pp}; "

@@ -1,8 +1,11 @@
-"""Rules of two training fields: `training.batch_ramp` (the ramp itself: `training/batch_ramp.py`)
-and `training.profile_steps` (`training/profiling.py`). The layout's rules are the planner's
+"""Rules of three training fields: `training.batch_ramp` (the ramp itself: `training/batch_ramp.py`),
+`training.profile_steps` (`training/profiling.py`) and `training.precision fp8`
+(`parallel/float8.py`). The layout's rules are the planner's
 (`planning.layout.check_layout`). Torch-free."""
 
 from __future__ import annotations
+
+import importlib.util
 
 from ultratron.planning.rules import pipeline_problems
 
@@ -55,3 +58,19 @@ def profile_problems(text: str) -> list[str]:
     except ValueError as err:
         return [str(err)]
     return []
+
+
+def fp8_problems(cfg) -> list[str]:
+    """training.precision fp8 needs torchao and torch's own linear layers (LoRA and oneDNN replace them)."""
+    t = cfg.training
+    if t.precision != "fp8":
+        return []
+    p = []
+    if importlib.util.find_spec("torchao") is None:
+        p.append("training.precision=fp8 needs the torchao package, which is not installed: "
+                 "pip install 'ultratron[fp8]'")
+    if cfg.lora.rank > 0:
+        p.append(f"training.precision=fp8 does not yet work with LoRA (lora.rank={cfg.lora.rank}); use bf16")
+    if t.cpu_linear != "aten":
+        p.append("training.precision=fp8 converts torch's own linear layers; use training.cpu_linear=aten")
+    return p

@@ -18,9 +18,10 @@ and weight parts, which DDP's autograd hooks do not follow) and call FSDP2's gra
 once after the last micro-batch, each stage an FSDP root; so zero 0 runs as FSDP2's `replicate`
 (DDP's arithmetic: parameters, gradients and optimizer state replicated, gradients all-reduced)
 and zero 1 as zero 2.
-Mixed precision: under bf16 FSDP2 keeps bf16 parameters in flight and reduces in fp32
-(`MixedPrecisionPolicy`); DDP runs bf16 compute through autocast on fp32 weights. Either way the
-master weights, the reductions and the optimizer state are fp32.
+Mixed precision: under bf16 (and fp8, `float8.py`, but for its fp8-gathered weights) FSDP2 keeps
+bf16 parameters in flight and reduces in fp32 (`MixedPrecisionPolicy`); DDP runs bf16 compute
+through autocast on fp32 weights. Either way the master weights, the reductions and the optimizer
+state are fp32.
 
 Context-parallel ranks hold other tokens of the same sequences, so the gradients are reduced over
 dp × cp (the flattened mesh `ParallelDims.dp_mesh` gives); the loss and token counts, though, are
@@ -54,7 +55,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, plan: Paral
     axis reduces (split experts)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else None,
+    mp = MixedPrecisionPolicy(param_dtype=None if precision == "fp32" else torch.bfloat16,
                               reduce_dtype=torch.float32)
     reshard = dims.zero == 3
     mesh = dims.dp_mesh

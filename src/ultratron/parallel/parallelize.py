@@ -1,11 +1,11 @@
-"""Apply parallelism to a plain model from outside, in one fixed order:
-(LoRA's adapters, `models/lora.py`) → PP → TP/SP → EP → CP → activation recomputation → compile →
-FSDP/DDP. Each axis lives in its own module (`data`, `tensor`, `pipeline`, `context`, `expert`),
-cuts the model where its family's plan (`models/*/parallel_plan.py`) says and returns its part of the step as an `Axis`
-(`parallel/axis.py`); this file only orders them and passes between them what one needs of
-another (the pipeline's stage modules and the split experts, which data parallelism treats apart),
-so that no axis imports another. Before TP, on a CPU, the fp32 linear layers may take oneDNN's
-matmul (`training.cpu_linear onednn`, `kernels/cpu_linear.py`).
+"""Apply parallelism to a plain model from outside, in one fixed order: (LoRA's adapters,
+`models/lora.py`) → PP → (fp8's linear layers, `float8.py`) → TP/SP → EP → CP → activation
+recomputation → compile → FSDP/DDP. Each axis lives in its own module (`data`, `tensor`, `pipeline`,
+`context`, `expert`), cuts the model where its family's plan (`models/*/parallel_plan.py`) says and
+returns its part of the step as an `Axis` (`parallel/axis.py`); this file only orders them and
+passes between them what one needs of another (the pipeline's stage modules and the split experts,
+which data parallelism treats apart), so that no axis imports another. Before TP, on a CPU, the fp32
+linear layers may take oneDNN's matmul (`training.cpu_linear onednn`, `kernels/cpu_linear.py`).
 
 Under pipeline parallelism the pipeline cut comes first: this rank keeps its stages' part of the
 model, the other axes apply to that part, and FSDP takes each stage as a root. Expert parallelism
@@ -27,6 +27,7 @@ from ultratron.parallel.context import apply_context_parallel
 from ultratron.parallel.data import apply_data_parallel
 from ultratron.parallel.dims import ParallelDims
 from ultratron.parallel.expert import apply_expert_parallel
+from ultratron.parallel.float8 import apply_float8
 from ultratron.parallel.pipeline import split_model
 from ultratron.parallel.recompute import apply_recompute
 from ultratron.parallel.replicas import apply_replicas
@@ -62,6 +63,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg) -> Parallel:
     if dims.pp > 1:
         model, pipeline = split_model(model, dims, cfg, plan)
     model = apply_cpu_linear(model, cfg.training.cpu_linear, dims.tp)
+    model = apply_float8(model, dims, plan, cfg.training.precision, cfg.training.fp8_scaling)
     model, tensor = apply_tensor_parallel(model, dims, plan)
     model, expert = apply_expert_parallel(model, dims, plan)
     model, context = apply_context_parallel(model, dims, plan, cfg.parallel.cp_attention)

@@ -135,7 +135,7 @@ def per_op_layer_items(shape, layout, recompute: str | None = None) -> dict[str,
     if getattr(shape, "qk_norm", False):  # one norm per head over q and one over k, each d wide
         items["qk norms"] = 8 * tokens * (w + kv) / t + 4 * tokens * (a + shape.n_kv_heads) / t + (
             2 * 4 * d if dt.residual == 2 else 0)
-    if dt.casts:
+    if dt.casts and layout.precision != "fp8":  # fp8's linear layers keep the fp32 weight itself for backward
         items["bf16 weight copies"] = 2 * layer_matmul_params(shape, t)
     return _with_experts(items, "swiglu", shape, layout, recompute)
 

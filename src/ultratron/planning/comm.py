@@ -203,7 +203,7 @@ def _data_parallel(shape, layout, memory, net: Network) -> list[Collective]:
         shard = layout.shard_group
         replicas = group // shard
         gathers = 2 if layout.zero == 3 else 1
-        block = layout.compute_bytes * params / layers
+        block = layout.gathered_bytes * params / layers
         out.append(_collective(net, "dp", "all-gather", "parameters per block, forward" +
                                (" and backward (ZeRO-3)" if gathers == 2 else ""), block,
                                m * layers * gathers, shard, t, COMPUTE, m))

@@ -83,23 +83,27 @@ def layer_matmuls(shape, tokens: float, tp: int, ep: int = 1) -> list[tuple[floa
 
 
 def compute_efficiency(shape, layout, peak: float, hbm: float, efficiency: float = MATMUL_EFFICIENCY,
-                       attention_table: bool = True) -> float:
+                       attention_table: bool = True, bf16_peak: float | None = None) -> float:
     """The fraction of the dense peak a rank's training compute of this layout runs at: FLOPs of
     its matmuls and attention over their modelled time (module docstring), for one micro-batch.
-    `attention_table` False: attention at the large-matmul rate (a device the table is not from)."""
+    `attention_table` False: attention at the large-matmul rate (a device the table is not from).
+    Under fp8 `peak` is the fp8 one, which the blocks' matmuls run at (`parallel/float8.py`), while
+    the head and attention stay bf16 and run at `bf16_peak`."""
     tokens = layout.micro_batch_size * layout.seq_len / layout.cp
     p = layout.compute_bytes
+    other_peak = bf16_peak if layout.precision == "fp8" and bf16_peak else peak
     flops = seconds = 0.0
-    products = [(m, k, n, c * shape.n_layers) for m, k, n, c in layer_matmuls(shape, tokens, layout.tp, layout.ep)]
-    products.append((tokens, shape.dim, shape.vocab_size / layout.tp, 1))  # the head
-    for m, k, n, count in products:
+    products = [(m, k, n, c * shape.n_layers, peak)
+                for m, k, n, c in layer_matmuls(shape, tokens, layout.tp, layout.ep)]
+    products.append((tokens, shape.dim, shape.vocab_size / layout.tp, 1, other_peak))  # the head
+    for m, k, n, count, rate_peak in products:
         flops += 3 * 2 * m * k * n * count
-        seconds += 3 * matmul_seconds(m, k, n, peak, hbm, p, efficiency) * count
+        seconds += 3 * matmul_seconds(m, k, n, rate_peak, hbm, p, efficiency) * count
     # attention: 12·s·h per token per layer (as flops.py counts it), split over tp's heads
     attention = 12 * shape.n_layers * shape.n_heads * head_dim_of(shape) * layout.seq_len * tokens / layout.tp
     flops += attention
     rate = attention_efficiency(layout.seq_len / layout.cp) / MATMUL_EFFICIENCY if attention_table else 1.0
-    seconds += attention / (rate * efficiency * peak)
+    seconds += attention / (rate * efficiency * other_peak)
     return flops / seconds / peak
 
 

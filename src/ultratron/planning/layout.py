@@ -31,7 +31,7 @@ from ultratron.planning.rules import (
     short_name,
 )
 
-PRECISIONS = ("bf16", "fp32")
+PRECISIONS = ("bf16", "fp32", "fp8")
 # Where each layout field lives in the trainer's config; `grad_accum` lives in neither (the config
 # derives it from training.batch_tokens), nor do the planner's own two fields (see `Layout`).
 PARALLEL_FIELDS = ("dp", "dp_replicate", "zero", "tp", "sp", "pp", "pp_schedule", "pp_virtual_stages", "pp_split",
@@ -80,7 +80,8 @@ class Layout:
     grad_accum: int = option(1, "micro-batches per data-parallel rank and optimizer step (the trainer derives it "
                                 "from training.batch_tokens)", minimum=1, flags=("--grad-acc",))
     seq_len: int = option(4096, "tokens per sequence", minimum=1, flags=("--seq",))
-    precision: str = option("bf16", "bf16: bf16 autocast compute, fp32 master weights", choices=PRECISIONS)
+    precision: str = option("bf16", "bf16: bf16 autocast compute, fp32 master weights; fp8: bf16 plus the blocks' "
+                                    "linear layers in fp8 (torchao float8; docs/precision.md)", choices=PRECISIONS)
     recompute: str = option("none", "activation recomputation", choices=RECOMPUTE)
     fp32_grad_accum: bool = option(False, "price the Megatron-LM convention instead of the trainer's: bf16 "
                                           "weights, fp32 main gradients (no bf16 copy), fp32 master weights")
@@ -94,7 +95,14 @@ class Layout:
 
     @property
     def compute_bytes(self) -> int:
-        return 2 if self.precision == "bf16" else 4
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes per parameter of the weights FSDP2 all-gathers: the compute dtype's, or under fp8 one
+        (tensorwise scaling gathers the blocks' matmul weights in fp8, `parallel/float8.py`; they are
+        nearly all of a block's, its norms' few are priced at one byte too)."""
+        return 1 if self.precision == "fp8" else self.compute_bytes
 
     @property
     def stages_per_rank(self) -> int:

@@ -11,7 +11,8 @@ following what `parallel/data.py` does for the layout (`rules.data_parallel_wrap
   ready, holding old and new buckets at once (4 more, a moment with no activations alive).
   FSDP2 (zero 2, zero 3, and zero 0/1 whenever the trainer shards) — sharded fp32 weights 4/N,
   sharded fp32 gradients 4/N, moments 8/N; ZeRO-2 keeps each weight gathered in the compute
-  dtype (2 in bf16, 4 in fp32) from forward through backward, ZeRO-3 only a block or two at a time
+  dtype (2 in bf16, 4 in fp32; 1 under fp8: the fp8 weight copies `parallel/float8.py` all-gathers)
+  from forward through backward, ZeRO-3 only a block or two at a time
   (comm_buffers: two blocks gathered, one block's gradients reduce-scattered in fp32). With more
   than one micro-batch a step (or under pp) gradients are reduced only on the last one, so FSDP2
   accumulates the unsharded gradients in fp32 until then (grad_accum_buffer, 4; measured by
@@ -205,7 +206,7 @@ def _static(layout: Layout) -> _Static:
         # torch's pipeline stages keep FSDP from resharding after backward until the step's last
         # micro-batch, so under pp ZeRO-3's parameters stay gathered too
         held = layout.zero != 3 or layout.pp > 1
-        gathered = dtypes_of(layout).compute if held else 0.0  # ZeRO-2: held through backward
+        gathered = layout.gathered_bytes if held else 0.0  # ZeRO-2: held through backward
         # gradient sync is off but on a step's last micro-batch (the data axis' no-sync, or the
         # stages'), so FSDP2 accumulates each unsharded gradient, in fp32 (its reduce dtype), until then
         accumulated = 4.0 if n > 1 and (layout.grad_accum > 1 or layout.pp > 1) else 0.0
@@ -267,7 +268,8 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
     if st.gathered_blocks:
         # a block's sharded parameters: its routed experts too while they are not split
         layer_params = _layer_params(shape, t) + (0.0 if experts else routed_expert_params_per_layer(shape))
-        comm += 2 * layer_params * p + layer_params * 4  # two blocks gathered, one block's fp32 gradients reduced
+        # two blocks gathered, one block's fp32 gradients reduced
+        comm += 2 * layer_params * layout.gathered_bytes + layer_params * 4
         # the root (embedding, final norm, head) stays gathered through the step (parallel/data.py)
         comm += p * (sharded - sum(where.layers) * layer_params)
     if layout.pp > 1:  # torch's stages keep a receive buffer per micro-batch and neighbour on another rank

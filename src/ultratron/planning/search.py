@@ -245,7 +245,8 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
         layout.recompute]
     tokens = spec.global_batch_tokens
     h = shape.dim
-    efficiency = compute_efficiency(shape, layout, peak, acc.memory_bw, spec.efficiency, acc.attention_table)
+    efficiency = compute_efficiency(shape, layout, peak, acc.memory_bw, spec.efficiency, acc.attention_table,
+                                    bf16_peak=acc.flops.get("bf16"))
     imbalance = stage_imbalance(shape, layout)
     # ranks sharing a CPU's cores each run at their share of them (1 on a GPU)
     share = acc.core_share(min(spec.n_gpus, spec.gpus_per_node))

@@ -75,9 +75,10 @@ def cpu_peak_flops(dtype: str = "fp32", cache_path: Path | None = None, refresh:
 
 def device_peak_flops(device: torch.device, precision: str, cache_path: Path | None = None,
                       refresh: bool = False) -> tuple[float, str]:
-    """(peak FLOP/s, its source) for the device this rank trains on."""
+    """(peak FLOP/s, its source) for the device this rank trains on. A CPU emulates fp8 with bf16
+    matmuls, so its fp8 peak is its measured bf16 one."""
     if device.type == "cpu":
-        key = dtype_key(precision)
+        key = "bf16" if precision == "fp8" else dtype_key(precision)
         if key not in ("fp32", "bf16", "fp16"):
             return 0.0, f"no CPU measurement for dtype {precision!r}"
         return cpu_peak_flops(key, cache_path, refresh)
