@@ -62,8 +62,8 @@ def _layout(dist_base, flags) -> tuple:
 def test_activations_after_forward_match_the_plan(measured, dist_base, name):
     shape, layout = _layout(dist_base, (LAYOUTS | LAYOUTS_4)[name])
     planned = estimate_memory(shape, layout)
-    # measured here: within 0.15%, except 2.8% under sequence parallel with selective recompute,
-    # where the embedding's partial lookup is kept at 1/tp of the size the planner counts
+    # measured here: within 2.1% (tp4-sp is 2.0% above the plan: 18 KB outside the blocks that
+    # the planner does not place); 3% for that margin
     for rank in range(layout.tp * layout.dp):
         assert measured[rank][name]["step"] == pytest.approx(planned.activations + planned.loss_logits,
                                                              rel=0.03), rank
