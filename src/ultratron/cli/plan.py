@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from ultratron.fields import MISSING, field_problems
 from ultratron.models.presets import PRESETS, ModelShape
 from ultratron.planning import hardware
 from ultratron.planning.compute import MATMUL_EFFICIENCY
-from ultratron.planning.layout import Layout
+from ultratron.planning.layout import Layout, underfilled_pipeline
 from ultratron.planning.lora import TARGETS as LORA_TARGETS
 from ultratron.planning.lora import adapter_params
 from ultratron.planning.memory import ACTIVATION_MODELS, GiB, MemoryBreakdown, estimate_memory_per_rank
@@ -231,8 +232,12 @@ def run_memory(args) -> int:
             raise UserError(f"--lora-targets: {', '.join(unknown)} not among {', '.join(LORA_TARGETS)}")
         lora = (args.lora_rank, targets)
     for layout in layouts:
+        underfilled = underfilled_pipeline(shape, layout)
+        if underfilled:  # such runs exist: slow (mostly bubble), not impossible
+            print(f"warning: {layout.describe()}: {underfilled}; estimated as it would run, mostly idle",
+                  file=sys.stderr)
         try:
-            ranks = estimate_memory_per_rank(shape, layout, args.activation_model, lora)
+            ranks = estimate_memory_per_rank(shape, layout, args.activation_model, lora, fill_pipeline=False)
         except UserError as err:
             problems += [f"{layout.describe()}: {p}" for p in err.problems]
             continue

@@ -138,15 +138,31 @@ class LiveTensors:
                 return out
 
         self._created, self._mode = created, _Mode()
+        self._ignored: set[int] = set()
 
     def _model_storages(self) -> set[int]:
         tensors = [*self.model.parameters(), *self.model.buffers()]
         tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
         return {self._weak((t.to_local() if isinstance(t, DTensor) else t).untyped_storage()).cdata for t in tensors}
 
+    def during(self, module: nn.Module) -> list:
+        """Record only while `module` runs (enter and exit with its forward), leaving out its inputs'
+        storages, which an op inside may view (a DTensor made of one) though the module did not
+        create them. Returns the hooks' handles, to remove."""
+
+        def enter(module, args):
+            for tensor in args:
+                if isinstance(tensor, torch.Tensor):
+                    tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                    self._ignored.add(self._weak(tensor.untyped_storage()).cdata)
+            self.__enter__()
+
+        return [module.register_forward_pre_hook(enter),
+                module.register_forward_hook(lambda *_: self.__exit__(None, None, None), always_call=True)]
+
     def alive(self) -> int:
-        model = self._model_storages()
-        return sum(nbytes for key, (ref, nbytes) in self._created.items() if not ref.expired() and key not in model)
+        left_out = self._model_storages() | self._ignored
+        return sum(nbytes for key, (ref, nbytes) in self._created.items() if not ref.expired() and key not in left_out)
 
     def __enter__(self) -> LiveTensors:
         self._mode.__enter__()

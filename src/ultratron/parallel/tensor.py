@@ -12,6 +12,12 @@ along its columns and keeps B whole, and B A x is then a partial sum like W x, w
 own reduction (all-reduce, or reduce-scatter under sequence parallel) sums with it: the adapter's
 hook runs before the one `parallelize_module` adds.
 
+Under sequence parallelism a column-parallel layer's input is all-gathered along the sequence, and
+autograd would keep the gathered (whole-sequence) tensor for the weight gradient. `KeepSequenceShard`
+does the gather instead and keeps only this rank's shard for backward, which all-gathers it again
+(Korthikanti et al. 2022 §4.2.2, as Megatron-LM does): every tensor a block saves is then 1/tp.
+docs/parallel.md says why saved-tensor hooks and not a checkpoint policy.
+
 In a step (`TensorAxis`): the training loss under `loss_parallel`; tp ranks hold the same tokens,
 so nothing is averaged over them; under sequence parallelism sampling pads its context to a
 multiple of tp (the activations between blocks are split along the sequence).
@@ -21,9 +27,11 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ultratron.models.lora import ADAPTERS
 from ultratron.models.plan import ParallelPlan
@@ -60,6 +68,119 @@ def _parallelize(module: nn.Module, mesh, styles: dict) -> None:
                 param = nn.Parameter(distribute_tensor(param.detach(), mesh, [place]),
                                      requires_grad=param.requires_grad)
             layer.register_parameter(name, param)
+
+
+class _SavedShard:
+    """One gather's saved-tensor hooks: a saved view of the gathered tensor is packed as the shard it
+    was gathered from; the first unpack in backward gathers it again, and the last one lets it go."""
+
+    def __init__(self, shard: DTensor, gathered: DTensor):
+        self.shard = shard.detach()
+        self.storage = gathered.to_local().untyped_storage()._cdata  # an id: the gathered tensor is not kept
+        self.pending = 0
+        self.gathered: torch.Tensor | None = None
+
+    def pack(self, tensor: torch.Tensor):
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.untyped_storage()._cdata != self.storage:
+            # detached: a saved output holding its own grad_fn would make a cycle autograd never frees
+            return tensor.detach()
+        self.pending += 1
+        spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()) if tensor is not local else None
+        return spec, local.size(), local.stride(), local.storage_offset()
+
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        spec, size, stride, offset = packed
+        if self.gathered is None:
+            self.gathered = self.shard.redistribute(self.shard.device_mesh, (Replicate(),)).to_local()
+        local = self.gathered.as_strided(size, stride, offset)
+        self.pending -= 1
+        if self.pending <= 0:
+            self.gathered = None
+        if spec is None:
+            return local
+        mesh, placements, shape, global_stride = spec
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=global_stride)
+
+
+def _can_hook_saved_tensors() -> bool:
+    """Not under recomputation (a checkpoint's own hooks decide what is kept), compile or no_grad."""
+    return (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and torch._C._autograd._saved_tensors_hooks_is_enabled()
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
+
+
+def _in_autocast_dtype(shard: DTensor) -> DTensor:
+    """Under autocast, the shard cast to the dtype the module's matmuls would cast the gathered
+    tensor to: the same values, gathered at half the bytes, and a tensor the matmuls keep as it is
+    (each would keep its own whole-sequence cast otherwise)."""
+    device = shard.device.type
+    if not (torch.is_autocast_enabled(device) and shard.is_floating_point()):
+        return shard
+    dtype = torch.get_autocast_dtype(device)
+    return shard.to(dtype) if shard.element_size() > torch.finfo(dtype).bits // 8 else shard
+
+
+class KeepSequenceShard(ParallelStyle):
+    """Before the module: all-gather its first input from sequence shards (`Shard(1)`, a DTensor or
+    this rank's local part) into a replicated DTensor; while it runs, what autograd saves of the
+    gathered tensor is kept as the shard (`_SavedShard`)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        stack: list = []
+
+        def gather(module, args):
+            shard = args[0]
+            if not isinstance(shard, DTensor):
+                shard = DTensor.from_local(shard, device_mesh, (Shard(1),), run_check=False)
+            shard = _in_autocast_dtype(shard)
+            gathered = shard.redistribute(device_mesh, (Replicate(),))
+            hooks = None
+            if shard.placements != gathered.placements and _can_hook_saved_tensors():
+                saved = _SavedShard(shard, gathered)
+                hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
+                hooks.__enter__()
+            stack.append(hooks)
+            return (gathered, *args[1:])
+
+        def release(module, args, output):
+            hooks = stack.pop()
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
+
+        module.register_forward_pre_hook(gather, prepend=True)
+        module.register_forward_hook(release, always_call=True)
+        return module
+
+
+def _gathers_sequence(layouts, desired) -> bool:
+    return bool(layouts) and layouts[0] == Shard(1) and desired[0] == Replicate() and not any(layouts[1:])
+
+
+def _keep_shards(plan: dict) -> tuple[dict, list[str]]:
+    """`plan` with each sequence all-gather before a module done by `KeepSequenceShard`: a
+    `PrepareModuleInput` that gathers is replaced; a `ColwiseParallel` that gathers takes the
+    gathered input instead, its module named in the list to get `KeepSequenceShard` as well."""
+    leaner, colwise = {}, []
+    for name, style in plan.items():
+        if (isinstance(style, PrepareModuleInput) and not style.with_kwargs and not style.use_local_output
+                and _gathers_sequence(style.input_layouts, style.desired_input_layouts)):
+            style = KeepSequenceShard()
+        elif type(style) is ColwiseParallel and _gathers_sequence(style.input_layouts, style.desired_input_layouts):
+            style = ColwiseParallel(input_layouts=Replicate(), output_layouts=style.output_layouts[0],
+                                    use_local_output=style.use_local_output)
+            colwise.append(name)
+        leaner[name] = style
+    return leaner, colwise
+
+
+def _parallelize(module: nn.Module, mesh, plan: dict) -> None:
+    plan, colwise = _keep_shards(plan)
+    parallelize_module(module, mesh, plan)
+    for name in colwise:
+        KeepSequenceShard()._apply(module.get_submodule(name), mesh)
 
 
 class TensorAxis(Axis):

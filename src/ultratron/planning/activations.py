@@ -15,9 +15,10 @@ Two estimators:
       normalised value 4·T·h/g, the fp32 rsqrt 4·T/g, an fp32 copy of a bf16 weight 4·h.
     Matmul inputs: under autocast over fp32 activations every matmul casts its input itself, so
       the three of wq/wk/wv and the two of w1/w3 each keep their own p·T·h copy; otherwise they
-      share the norm's output r·T·h. Full T, not T/t: sequence parallel all-gathers the norm's
-      output before the column-parallel matmuls and autograd keeps the gathered tensor (DTensor
-      does not re-gather in backward the way Megatron-LM does, Korthikanti et al. 2022 §4.2.2).
+      share the norm's output r·T·h. Under sequence parallel the matmuls keep only the rank's
+      sequence shard of the norm's output, 2·(p under autocast, else r)·T·h/t, cast before the
+      all-gather, which backward runs again (`parallel.tensor.KeepSequenceShard`, as Megatron-LM
+      does, Korthikanti et al. 2022 §4.2.2).
     Attention: q and k after RoPE and v, q·T·(h + 2kv)/t; the output q·T·h/t (+ its p copy for wo
       when q ≠ p); flash attention's fp32 log-sum-exp 4·b·s·a/t and no s×s scores; RoPE's two
       complex64 rotation tables 2·4·s·d. QK-norm adds a norm over q and k per head.
@@ -32,7 +33,7 @@ Two estimators:
   The last stage keeps the final norm, the head's input, the logits (p·T·v/t, held by the step
   until backward), the loss's fp32 log-probabilities 4·T·v/t and the int64 targets (twice under
   tp: loss_parallel keeps its own); the first the token ids, and under tp the embedding's partial
-  lookup and its reduced copy.
+  lookup and its reduced copy (under sp two sequence shards).
 * "textbook" — Korthikanti et al. 2022 (arXiv 2205.05198), bf16, multi-head attention, 4h MLP:
   s·b·h·(34 + 5·a·s/h); TP without SP s·b·h·(10 + 24/t + 5·a·s/(h·t)); TP + SP
   s·b·h·(34 + 5·a·s/h)/t; selective recompute drops the 5·a·s/h term, full keeps 2·s·b·h (÷t with SP).
@@ -98,6 +99,16 @@ def _norm(tokens: float, width: float, rows: float, dt: Dtypes) -> float:
     return 8 * tokens * width + 4 * rows + (4 * width if dt.residual == 2 else 0)
 
 
+def _matmul_inputs(tokens: float, h: float, t: int, g: int, dt: Dtypes) -> float:
+    """What the column-parallel matmuls (wq/wk/wv, w1/w3) keep of their input. Sequence parallel
+    keeps the two norms' outputs as sequence shards, cast first under autocast (the backward
+    all-gathers them again: `parallel.tensor.KeepSequenceShard`); otherwise the whole sequence, and
+    under autocast each of the five matmuls its own cast."""
+    if g > 1:
+        return 2 * (dt.compute if dt.casts else dt.residual) * tokens * h / t
+    return (5 * dt.compute if dt.casts else 2 * dt.residual) * tokens * h
+
+
 def layer_matmul_params(shape, tp: int = 1) -> float:
     """Weights of one block's matmuls on a tensor-parallel rank (what autocast copies to bf16)."""
     kv = shape.n_kv_heads * _head_dim(shape)
@@ -124,7 +135,7 @@ def per_op_layer_items(shape, layout, recompute: str | None = None) -> dict[str,
         return _with_experts(items, "matmul outputs", shape, layout, recompute)
     items = {
         "norms": 2 * _norm(tokens / g, h, tokens / g, dt),
-        "matmul inputs": (5 * p if dt.casts else 2 * dt.residual) * tokens * h,
+        "matmul inputs": _matmul_inputs(tokens, h, t, g, dt),
         "q, k, v": q * tokens * (w + 2 * kv) / t,
         **attention_out,
         "rope tables": 2 * 4 * s * d,
@@ -188,12 +199,13 @@ def layer_activation_bytes(shape, layout, model: str = "per-op", recompute: str 
 
 
 def first_stage_items(shape, layout) -> dict[str, float]:
-    """The first stage's extras: the token ids; under tp the embedding's partial lookup and its reduced copy."""
+    """The first stage's extras: the token ids; under tp the embedding's partial lookup and its
+    reduced copy, or under sp two sequence shards: the reduce-scatter's output and its autograd
+    wrapper's (the first block's input, its third, is the block's own)."""
     tokens, h = _tokens(layout), shape.dim
     items = {"token ids": 8 * tokens}
     if layout.tp > 1:
-        r = dtypes_of(layout).residual
-        items["embedding partial sums"] = r * tokens * h + r * tokens * h / _region(layout)
+        items["embedding partial sums"] = 2 * dtypes_of(layout).residual * tokens * h / _region(layout)
     return items
 
 
@@ -203,7 +215,7 @@ def last_stage_items(shape, layout, model: str = "per-op") -> tuple[dict[str, fl
     tokens, h, v, t, g = _tokens(layout), shape.dim, shape.vocab_size, layout.tp, _region(layout)
     if model == "per-op":
         head = {"final norm": _norm(tokens / g, h, tokens / g, dt),
-                "head input": (dt.compute if dt.casts else dt.residual) * tokens * h}
+                "head input": (dt.compute if dt.casts else dt.residual) * tokens * h / g}
         if dt.casts:
             head["bf16 weight copies"] = 2 * v * h / t
     else:

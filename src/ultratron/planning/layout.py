@@ -142,13 +142,14 @@ class Layout:
 
 
 def check_layout(shape, layout: Layout, name: Namer = short_name, *, fields: bool = True,
-                 grad_accum_from: str | None = "") -> list[str]:
+                 grad_accum_from: str | None = "", fill_pipeline: bool = True) -> list[str]:
     """Problems that make a layout impossible for a shape, one line each (empty when fine): each
     field's bounds and choices (`fields`; the config checks those with its other fields), then the
     rules of `planning/rules.py`. `name` turns `section.field` into what the user wrote (the
     planner: the bare field name). `grad_accum_from` says where the micro-batch count comes from,
     for the pipeline's message (default: the field itself; None: not known, the config's batch
-    does not divide into micro-batches)."""
+    does not divide into micro-batches). `fill_pipeline=False` lets a pipeline have fewer
+    micro-batches than it needs to fill (`underfilled_pipeline` says so)."""
     if fields:
         p = field_problems(layout, lambda field: name(f"{section_of(field)}.{field}"))
         if p:
@@ -157,10 +158,21 @@ def check_layout(shape, layout: Layout, name: Namer = short_name, *, fields: boo
     p += layout_problems(shape, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, seq=layout.seq_len,
                          dp=layout.dp, dp_replicate=layout.dp_replicate, name=name)
     p += pipeline_problems(shape, pp=layout.pp, schedule=layout.pp_schedule, virtual_stages=layout.pp_virtual_stages,
-                           split=layout.pp_split, micro_batches=None if grad_accum_from is None else layout.grad_accum,
+                           split=layout.pp_split,
+                           micro_batches=None if grad_accum_from is None or not fill_pipeline else layout.grad_accum,
                            micro_batches_from=grad_accum_from or name("training.grad_accum"),
                            dp=layout.data_parallel, zero=layout.zero, recompute=layout.recompute, name=name)
     return p
+
+
+def underfilled_pipeline(shape, layout: Layout) -> str | None:
+    """The line `check_layout` gives a pipeline whose micro-batches per step cannot fill it, else None."""
+    if layout.pp == 1:
+        return None
+    full = pipeline_problems(shape, pp=layout.pp, schedule=layout.pp_schedule, virtual_stages=layout.pp_virtual_stages,
+                             split=layout.pp_split, micro_batches=layout.grad_accum, name=short_name,
+                             micro_batches_from=short_name("training.grad_accum"))
+    return next((line for line in full if "to fill the pipeline" in line), None)
 
 
 def section_of(field: str) -> str:

@@ -318,10 +318,11 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
 
 
 def estimate_memory_per_rank(shape, layout: Layout, activation_model: str = "per-op",
-                             lora: tuple | None = None) -> list[MemoryBreakdown]:
+                             lora: tuple | None = None, fill_pipeline: bool = True) -> list[MemoryBreakdown]:
     """Bytes on each pipeline rank (one entry without pp); raises UserError for an impossible layout.
-    `lora`: (rank, targets) of LoRA adapters on the frozen model (`planning/lora.py`)."""
-    problems = check_layout(shape, layout)
+    `lora`: (rank, targets) of LoRA adapters on the frozen model (`planning/lora.py`);
+    `fill_pipeline=False`: estimate a pipeline with fewer micro-batches than stages too (it runs, slowly)."""
+    problems = check_layout(shape, layout, fill_pipeline=fill_pipeline)
     if activation_model not in ACTIVATION_MODELS:
         problems.append(f"activation model {activation_model!r} is not one of {', '.join(ACTIVATION_MODELS)}")
     if problems:
