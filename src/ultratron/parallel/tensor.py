@@ -20,7 +20,12 @@ docs/parallel.md says why saved-tensor hooks and not a checkpoint policy.
 
 In a step (`TensorAxis`): the training loss under `loss_parallel`; tp ranks hold the same tokens,
 so nothing is averaged over them; under sequence parallelism sampling pads its context to a
-multiple of tp (the activations between blocks are split along the sequence).
+multiple of tp (the activations between blocks are split along the sequence). A weight kept whole on
+every tp rank but applied to a rank's share of the work (the norms under sequence parallelism, LoRA's
+unsplit adapter factors) gets its gradient as a partial sum (DTensor's `Partial`); after backward
+these are summed over the tp ranks in one all-reduce (as Megatron-LM all-reduces its
+sequence-parallel norm gradients), since DTensor would otherwise sum a `Partial` operand again in
+every optimizer op that reads it. Under FSDP2 the data axis' reduction already leaves them whole.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, loss_parallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
@@ -186,11 +192,24 @@ def _parallelize(module: nn.Module, mesh, plan: dict) -> None:
 class TensorAxis(Axis):
     name = "tensor"
 
-    def __init__(self, dims: ParallelDims):
+    def __init__(self, dims: ParallelDims, model: nn.Module):
         self.sequence_multiple = dims.tp if dims.sp else 1
+        self.model = model
 
     def step_context(self, training: bool):
         return loss_parallel() if training else contextlib.nullcontext()
+
+    def after_backward(self) -> None:
+        """The gradients left as partial sums over the tp ranks, summed once (module docstring)."""
+        partial = [p for p in self.model.parameters()
+                   if isinstance(p.grad, DTensor) and p.grad.placements == (Partial(),)]
+        for dtype in {p.grad.dtype for p in partial}:
+            group = [p for p in partial if p.grad.dtype == dtype]
+            sums = torch.cat([p.grad.to_local().reshape(-1) for p in group])
+            dist.all_reduce(sums, group=group[0].grad.device_mesh.get_group())
+            for param, local in zip(group, sums.split([p.grad.numel() for p in group]), strict=True):
+                param.grad = DTensor.from_local(local.view(param.grad.shape), param.grad.device_mesh, [Replicate()],
+                                                run_check=False)
 
 
 def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: ParallelPlan) -> tuple[nn.Module, Axis | None]:
@@ -204,4 +223,4 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: ParallelPl
         _parallelize(block, dims.tp_mesh, block_plan(block))
     plan.tie_weights(model)
     model.register_forward_hook(_gather_logits_in_eval)
-    return model, TensorAxis(dims)
+    return model, TensorAxis(dims, model)
