@@ -124,9 +124,14 @@ def test_chat_and_lora_settings_are_checked_before_anything_starts():
     text = str(err.value)
     assert "lora.targets: 'x' is not one of q, k, v, o, gate, up, down" in text
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["--data.format", "chat", "--parallel.cp", "2", "--lora.rank", "8"])
+        load_config(None, ["--data.format", "chat", "--parallel.cp", "2", "--parallel.pp", "2", "--lora.rank", "8"])
     text = str(err.value)
-    assert "document masking" in text and "parallel.cp=2" in text and "model.init_from" in text
+    assert "document masking or chat data" in text and "parallel.cp=2 and parallel.pp=2" in text
+    assert "model.init_from" in text
+    with pytest.raises(ConfigError, match="parallel.cp=2 runs on CPU only"):
+        load_config(None, ["--data.document_masking", "on", "--parallel.cp", "2", "--training.device", "cuda"])
+    for layout in (["--parallel.cp", "2"], ["--parallel.pp", "2"]):  # each alone composes
+        assert load_config(None, ["--data.format", "chat", *layout]).data.documents
     assert "LoRA (lora.rank=8) does not yet work with tp, pp, cp or ep > 1" in text
     cfg = load_config(None, ["--data.format", "chat"])
     assert cfg.data.documents and not load_config(None, []).data.documents

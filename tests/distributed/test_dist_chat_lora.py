@@ -1,6 +1,8 @@
 """Chat fine-tuning under parallel layouts equals one process (fp32, 5 steps): document-masked chat
-batches under tp2, and LoRA under dp2 with ZeRO-3 (FSDP2 shards the frozen weights and the
-adapters; only the adapters have optimizer state).
+batches under tp2, cp2 (ring and all-gather attention: each rank's queries see only their own
+document's keys on the other rank), and pp2 (every stage masks by the micro-batch's documents), and
+LoRA under dp2 with ZeRO-3 (FSDP2 shards the frozen weights and the adapters; only the adapters
+have optimizer state).
 
 Tolerances are the suite's fp32 ones (dist_common.py): losses and validation losses 1e-5
 relative, gradient norms 1e-4 — only the summation order differs. Measured here: ≤ 2e-7.
@@ -51,18 +53,25 @@ def _records(run_dir):
 LORA = ["--lora.rank", "8", "--lora.targets", "q,k,v,o,gate,up,down"]
 
 
-def test_chat_under_tp2_and_lora_under_zero3_equal_one_process(base, tmp_path):
+def test_chat_under_tp2_cp2_pp2_and_lora_under_zero3_equal_one_process(base, tmp_path):
     root, data = base
     config = str(root / "imported" / "config.toml")
     init = ["--model.init_from", str(root / "imported")]
-    runs = {"tp2": (["--parallel.tp", "2"], []), "lora-dp2-zero3": (["--parallel.dp", "2", "--parallel.zero", "3"],
-                                                                   LORA + init)}
-    for name, (_, extra) in runs.items():
-        train(load_config(config, _overrides(root, data, tmp_path / f"ref-{name}", *extra)), echo=False)
+    # name → (layout, extra flags); one reference run per set of extra flags
+    runs = {"tp2": (["--parallel.tp", "2"], []),
+            "cp2": (["--parallel.cp", "2"], []),
+            "cp2-allgather": (["--parallel.cp", "2", "--parallel.cp_attention", "allgather"], []),
+            "pp2": (["--parallel.pp", "2"], []),
+            "lora-dp2-zero3": (["--parallel.dp", "2", "--parallel.zero", "3"], LORA + init)}
+    references = {}
+    for _, extra in runs.values():
+        if tuple(extra) not in references:
+            references[tuple(extra)] = tmp_path / f"ref-{len(references)}"
+            train(load_config(config, _overrides(root, data, references[tuple(extra)], *extra)), echo=False)
     run_local(2, train_configs, [(config, _overrides(root, data, tmp_path / name, *layout, *extra))
                                  for name, (layout, extra) in runs.items()])
-    for name in runs:
-        got, want = _records(tmp_path / name), _records(tmp_path / f"ref-{name}")
+    for name, (_, extra) in runs.items():
+        got, want = _records(tmp_path / name), _records(references[tuple(extra)])
         assert sorted(got) == sorted(want) == list(range(STEPS + 1)), name
         for step, ref in want.items():
             for key, tol in (("loss", 1e-5), ("val_loss", 1e-5), ("grad_norm", 1e-4), ("loss_tokens", 0)):
