@@ -126,3 +126,17 @@ def test_context_parallel_blocks_skip_a_row_that_sees_no_key():
         dk[:, :, keys], dv[:, :, keys] = g[1], g[2]
     for got, ref in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         assert (got - ref).abs().max().item() <= 1e-6
+
+
+def test_documents_that_do_not_fit_the_tokens_are_refused():
+    from ultratron.parallel.context import ContextParallelAttention
+
+    model = _model()
+    tokens, documents, _ = _packed()
+    with pytest.raises(ValueError, match="documents cover 64 tokens, the sequence has 32"):
+        model(tokens[:, :32], documents=documents)
+    attention = ContextParallelAttention(None, 0, 2, "ring")
+    attention.active = True
+    q = torch.zeros(2, 4, 32, 16)
+    with pytest.raises(ValueError, match="a column for each of the sequence's 64 keys"):
+        attention(q, q, q, document_layout(documents)[1][:, :, :32, :32], 1)

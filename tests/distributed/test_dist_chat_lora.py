@@ -5,7 +5,9 @@ LoRA under dp2 with ZeRO-3 (FSDP2 shards the frozen weights and the adapters; on
 have optimizer state).
 
 Tolerances are the suite's fp32 ones (dist_common.py): losses and validation losses 1e-5
-relative, gradient norms 1e-4 — only the summation order differs. Measured here: ≤ 2e-7.
+relative, gradient norms 1e-4 — only the summation order differs (under cp each rank's mean loss is
+weighted by its share of the targets that count, so the cp ranks' average is the micro-batch's
+mean). Measured here: losses ≤ 6e-7, gradient norms ≤ 5.1e-6 (tp2; cp2 2.0e-6, pp2 1.0e-7).
 """
 
 import json

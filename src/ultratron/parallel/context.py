@@ -190,6 +190,11 @@ def _ring_block(step: int, source: int, rank: int, c: int) -> tuple[slice, slice
     return slice(c, None), slice(None), False  # both its chunks precede our second chunk and follow our first
 
 
+def _shard_columns(mask: torch.Tensor | None, cp: int, source: int) -> torch.Tensor | None:
+    """The mask's columns (every key of the sequence, in order) of the keys `source` holds."""
+    return None if mask is None else shard_sequence(mask, cp, source, dim=3)
+
+
 def _block_mask(mask: torch.Tensor | None, rows: slice, keys: slice) -> torch.Tensor | None:
     return None if mask is None else mask[:, :, rows, keys]
 
@@ -199,11 +204,27 @@ def _seen(mask: torch.Tensor | None) -> bool:
     return mask is None or bool(mask.any())
 
 
-def _merge_rows(out, lse, rows: slice, part):
+def _attend_block(out, lse, q, kv, rows: slice, keys: slice, causal: bool, groups: int, mask):
+    """Merge the attention of q's `rows` to kv's (K and V stacked) `keys` into out and lse."""
+    if not _seen(mask):
+        return out, lse
+    part = block_forward(q[:, :, rows], kv[0, :, :, keys], kv[1, :, :, keys], causal, groups, mask)
     if rows == slice(None):
         return merge(out, lse, *part)
     out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], *part)
     return out, lse
+
+
+def _block_gradients(dq, dkv, dout, q, kv, out, lse, rows: slice, keys: slice, causal: bool, groups: int,
+                     mask) -> None:
+    """Add that block's gradients: its query rows' into dq, its keys' and values' into dkv."""
+    if not _seen(mask):
+        return
+    g = block_backward(dout[:, :, rows], q[:, :, rows], kv[0, :, :, keys], kv[1, :, :, keys], out[:, :, rows],
+                       lse[:, :, rows], causal, groups, mask)
+    dq[:, :, rows] += g[0]
+    dkv[0, :, :, keys] += g[1]
+    dkv[1, :, :, keys] += g[2]
 
 
 class _Ring(torch.autograd.Function):
@@ -218,9 +239,7 @@ class _Ring(torch.autograd.Function):
             source = (rank - step) % cp
             rows, keys, causal = _ring_block(step, source, rank, c)
             block_mask = _block_mask(_shard_columns(mask, cp, source), rows, keys)
-            if _seen(block_mask):
-                part = block_forward(q[:, :, rows], kv[0, :, :, keys], kv[1, :, :, keys], causal, groups, block_mask)
-                out, lse = _merge_rows(out, lse, rows, part)
+            out, lse = _attend_block(out, lse, q, kv, rows, keys, causal, groups, block_mask)
             if step < cp - 1:
                 _wait(requests)
                 kv = incoming
@@ -242,23 +261,13 @@ class _Ring(torch.autograd.Function):
             source = (rank - step) % cp
             rows, keys, causal = _ring_block(step, source, rank, c)
             block_mask = _block_mask(_shard_columns(mask, cp, source), rows, keys)
-            if _seen(block_mask):
-                g = block_backward(dout[:, :, rows], q[:, :, rows], kv[0, :, :, keys], kv[1, :, :, keys],
-                                   out[:, :, rows], lse[:, :, rows], causal, groups, block_mask)
-                dq[:, :, rows] += g[0]
-                dkv[0, :, :, keys] += g[1]
-                dkv[1, :, :, keys] += g[2]
+            _block_gradients(dq, dkv, dout, q, kv, out, lse, rows, keys, causal, groups, block_mask)
             dkv, dkv_requests = _exchange(dkv, group, rank, cp, tag=1)  # on to the next rank; the last hop: home
             _wait(dkv_requests)
             if step < cp - 1:
                 _wait(requests)
                 kv = incoming
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
-
-
-def _shard_columns(mask: torch.Tensor | None, cp: int, source: int) -> torch.Tensor | None:
-    """The mask's columns (every key of the sequence, in order) of the keys `source` holds."""
-    return None if mask is None else shard_sequence(mask, cp, source, dim=3)
 
 
 def _allgather_blocks(rank: int, cp: int, c: int):
@@ -277,11 +286,7 @@ class _AllGather(torch.autograd.Function):
         full = _gather_natural(torch.stack([k, v]), group, cp)  # (2, b, kv heads, seq, d) in sequence order
         out, lse = _empty_output(q)
         for rows, keys, causal in _allgather_blocks(rank, cp, q.shape[2] // 2):
-            block_mask = _block_mask(mask, rows, keys)
-            if _seen(block_mask):
-                part = block_forward(q[:, :, rows], full[0, :, :, keys], full[1, :, :, keys], causal, groups,
-                                     block_mask)
-                out, lse = _merge_rows(out, lse, rows, part)
+            out, lse = _attend_block(out, lse, q, full, rows, keys, causal, groups, _block_mask(mask, rows, keys))
         ctx.save_for_backward(q, full, out, lse, mask)
         ctx.groups, ctx.group, ctx.rank, ctx.cp = groups, group, rank, cp
         return out.to(q.dtype)
@@ -294,12 +299,7 @@ class _AllGather(torch.autograd.Function):
         dfull = torch.zeros(full.shape, dtype=torch.float32, device=q.device)
         for rows, keys, causal in _allgather_blocks(rank, cp, q.shape[2] // 2):
             block_mask = _block_mask(mask, rows, keys)
-            if _seen(block_mask):
-                g = block_backward(dout[:, :, rows], q[:, :, rows], full[0, :, :, keys], full[1, :, :, keys],
-                                   out[:, :, rows], lse[:, :, rows], causal, groups, block_mask)
-                dq[:, :, rows] += g[0]
-                dfull[0, :, :, keys] += g[1]
-                dfull[1, :, :, keys] += g[2]
+            _block_gradients(dq, dfull, dout, q, full, out, lse, rows, keys, causal, groups, block_mask)
         dist.all_reduce(dfull, group=group)  # every rank's queries' share of each key and value
         mine = shard_sequence(dfull, cp, rank, dim=3)
         return dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None, None, None, None, None
