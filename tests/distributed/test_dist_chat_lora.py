@@ -1,8 +1,8 @@
 """Chat fine-tuning under parallel layouts equals one process (fp32, 5 steps): document-masked chat
-batches under tp2, cp2 (ring and all-gather attention: each rank's queries see only their own
-document's keys on the other rank), and pp2 (every stage masks by the micro-batch's documents), and
-LoRA under dp2 with ZeRO-3 (FSDP2 shards the frozen weights and the adapters; only the adapters
-have optimizer state).
+batches under tp2, cp2 (ring attention: each rank's queries see only their own document's keys on
+the other rank; the all-gather mode's masking is checked in test_dist_context_parallel.py) and pp2
+(every stage masks by the micro-batch's documents), and LoRA under dp2 with ZeRO-3 (FSDP2 shards
+the frozen weights and the adapters; only the adapters have optimizer state).
 
 Tolerances are the suite's fp32 ones (dist_common.py): losses and validation losses 1e-5
 relative, gradient norms 1e-4 — only the summation order differs (under cp each rank's mean loss is
@@ -62,7 +62,6 @@ def test_chat_under_tp2_cp2_pp2_and_lora_under_zero3_equal_one_process(base, tmp
     # name → (layout, extra flags); one reference run per set of extra flags
     runs = {"tp2": (["--parallel.tp", "2"], []),
             "cp2": (["--parallel.cp", "2"], []),
-            "cp2-allgather": (["--parallel.cp", "2", "--parallel.cp_attention", "allgather"], []),
             "pp2": (["--parallel.pp", "2"], []),
             "lora-dp2-zero3": (["--parallel.dp", "2", "--parallel.zero", "3"], LORA + init)}
     references = {}

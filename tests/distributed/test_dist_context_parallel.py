@@ -2,14 +2,14 @@
 forward and backward, causal and document-masked.
 
 Both ways of reaching the other ranks' keys and values (the ring, and Llama 3's all-gather), at cp 2
-and 4 with the causal balance (each rank holds chunks r and 2·cp−1−r of 2·cp), with multi-head and
-grouped-query attention, causal or within packed documents (some ending inside a chunk, some on a
-chunk boundary, so that whole blocks and single query rows of a block see no key), in fp32: the
-output and the q, k, v gradients of every shard, put back in sequence order, within 1e-6 (relative
-to the largest value of each tensor: fp32 rounds at 6e-8) of PyTorch's fused attention on the whole
-sequence in one process (measured ≤ 3.8e-7). And a model under cp2 on packed documents gives each
-document the logits of the document alone (test_document_masking's bound and its reasons;
-measured ≤ 6.0e-6).
+and 4 with the causal balance (each rank holds chunks r and 2·cp−1−r of 2·cp): multi-head and
+grouped-query attention, causal, and grouped-query within packed documents (some ending inside a
+chunk, some on a chunk boundary, so that whole blocks and single query rows of a block see no key).
+In fp32 the output and the q, k, v gradients of every shard, put back in sequence order, are within
+1e-6 (relative to the largest value of each tensor: fp32 rounds at 6e-8) of PyTorch's fused
+attention on the whole sequence in one process (measured ≤ 3.8e-7). And a model under cp2 on packed
+documents gives each document the logits of the document alone (test_document_masking's bound and
+its reasons; measured ≤ 6.0e-6).
 One launch of 4 ranks.
 """
 
@@ -31,8 +31,8 @@ def errors(tmp_path_factory) -> dict:
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)}
 
 
-CASES = [f"cp{cp}-{mode}-{heads}{masked}" for cp in (2, 4) for mode in ("ring", "allgather")
-         for heads in ("mha", "gqa") for masked in ("", "-documents")]
+CASES = [f"cp{cp}-{mode}-{heads}" for cp in (2, 4) for mode in ("ring", "allgather")
+         for heads in ("mha", "gqa", "gqa-documents")]
 
 
 @pytest.mark.parametrize("case", CASES)
