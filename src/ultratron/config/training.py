@@ -346,8 +346,7 @@ def document_problems(cfg: Config) -> list[str]:
     settings = f"data.document_masking={data.document_masking}, data.format={data.format}"
     if par.cp > 1 and par.pp > 1 and (data.documents or data.format == "chat"):
         p.append(f"document masking or chat data ({settings}) does not yet work with both parallel.cp={par.cp} and "
-                 f"parallel.pp={par.pp}: the pipeline's loss does not weight each context-parallel shard by its "
-                 "share of the targets that count; use cp or pp alone")
+                 f"parallel.pp={par.pp} (the pipeline loss does not weight cp shards by counted targets); use one")
     if par.cp > 1 and data.documents and cfg.training.device == "cuda":
         p.append(f"document masking ({settings}) with parallel.cp={par.cp} runs on CPU only so far (the CUDA "
                  "kernel's attention bias is not wired in); use cp=1, training.device=cpu or data.document_masking=off")
