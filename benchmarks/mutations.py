@@ -50,6 +50,8 @@ SRC = "src/ultratron"
 EQ = "tests/distributed/test_dist_equivalence.py"
 CPEP = "tests/distributed/test_dist_cp_ep.py"
 PIPE = "tests/distributed/test_dist_pipeline.py"
+CP = "tests/distributed/test_dist_context_parallel.py"
+CHAT = "tests/distributed/test_dist_chat_lora.py"
 CLIP_TEST = "tests/test_train_run.py::test_clipping_scales_the_update_and_logs_the_norm_before_it"
 COSINE_TEST = "tests/test_schedule.py::test_linear_warmup_then_cosine_to_the_floor"
 PP_1F1B = f"{PIPE}::test_pp2_with_each_schedule_equals_one_process[pp2-1f1b-fp32]"
@@ -149,7 +151,8 @@ MUTATIONS = [
              ("tests/data/test_chat_data.py::test_the_mask_covers_exactly_the_assistant_turns",)),
     Mutation("doc-positions-not-restarted", f"{SRC}/models/llama/model.py",
              "document masking: positions run on across packed documents",
-             "    return index - first, mask[:, None]", "    return index.expand_as(first), mask[:, None]",
+             "    return rows - first[:, rows], mask[:, None]",
+             "    return rows.expand_as(first[:, rows]), mask[:, None]",
              ("tests/test_document_masking.py",)),
     Mutation("lora-base-trains", f"{SRC}/models/lora.py",
              "LoRA: the base weights are left trainable (and get optimizer state)",
@@ -198,6 +201,11 @@ MUTATIONS = [
              "return contextlib.nullcontext()",
              (f"{EQ}::test_two_rank_layouts_equal_one_process[tp2-fp32]",)),
     # ---- pipeline ----
+    Mutation("pp-documents-not-handed", f"{SRC}/parallel/pipeline.py",
+             "pipeline: the stages run without the micro-batch's documents (no document mask)",
+             "target=targets if self.pipeline.holds_last else None, **documents)",
+             "target=targets if self.pipeline.holds_last else None)",
+             (CHAT,)),
     Mutation("pp-loss-wrong-micro-batches", f"{SRC}/parallel/pipeline.py",
              "pipeline loss averaged over the first n losses (the first step's shape-inference one included)",
              "torch.stack(self._losses[-n:])", "torch.stack(self._losses[:n])",
@@ -211,6 +219,16 @@ MUTATIONS = [
              "            dist.all_reduce(grads[0], group=self.group)", "            pass",
              (PP_1F1B,)),
     # ---- context parallel ----
+    Mutation("cp-doc-block-lse", f"{SRC}/parallel/context.py",
+             "document masking under cp: a block row that sees no key keeps the kernel's lse 0, not -inf",
+             '            lse = lse.masked_fill(~mask.any(-1), float("-inf"))', "            pass",
+             ("tests/test_document_masking.py::test_context_parallel_blocks_skip_a_row_that_sees_no_key",
+              f"{CP}::test_context_parallel_attention_equals_full_causal_attention")),
+    Mutation("cp-loss-weight", f"{SRC}/parallel/context.py",
+             "cp: each shard's mean loss counts alike, however many of its targets count",
+             "        return self.cp * (mine != IGNORE).sum() / (whole != IGNORE).sum().clamp(min=1)",
+             "        return torch.ones((), device=mine.device)",
+             (CHAT,)),
     Mutation("cp-loss-average", f"{SRC}/parallel/context.py",
              "loss summed over the cp ranks, not averaged",
              "        return self.sum_over_data(value) / self.cp", "        return self.sum_over_data(value)",

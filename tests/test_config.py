@@ -124,10 +124,15 @@ def test_chat_and_lora_settings_are_checked_before_anything_starts():
     text = str(err.value)
     assert "lora.targets: 'x' is not one of q, k, v, o, gate, up, down" in text
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["--data.format", "chat", "--parallel.cp", "2", "--lora.rank", "8"])
+        load_config(None, ["--data.format", "chat", "--parallel.cp", "2", "--parallel.pp", "2", "--lora.rank", "8"])
     text = str(err.value)
-    assert "document masking" in text and "parallel.cp=2" in text and "model.init_from" in text
+    assert "document masking or chat data" in text and "parallel.cp=2 and parallel.pp=2" in text
+    assert "model.init_from" in text
     assert "LoRA" not in text  # LoRA runs under tp, pp and cp (tests/distributed/test_dist_chat_lora.py)
+    with pytest.raises(ConfigError, match="parallel.cp=2 runs on CPU only"):
+        load_config(None, ["--data.document_masking", "on", "--parallel.cp", "2", "--training.device", "cuda"])
+    for layout in (["--parallel.cp", "2"], ["--parallel.pp", "2"]):  # each alone composes
+        assert load_config(None, ["--data.format", "chat", *layout]).data.documents
     with pytest.raises(ConfigError) as err:
         load_config(None, ["--model.n_experts", "4", "--model.n_active_experts", "2", "--parallel.dp", "2",
                            "--parallel.ep", "2", "--lora.rank", "8", "--model.init_from", "base"])

@@ -87,3 +87,56 @@ def test_the_loaders_document_numbers_drive_the_model():
     with torch.no_grad():
         packed = model(inputs, documents=documents)
         assert (packed[:, 4:9] - model(inputs[:, 4:9])).abs().max().item() <= 1e-5
+
+
+def test_context_parallel_blocks_skip_a_row_that_sees_no_key():
+    """Context parallel's masked blocks, merged by their log-sum-exps: a query row that may attend no
+    key of a block (its document starts after the block) gets lse -inf and output 0 from it, merging
+    that — also into an accumulator that has seen nothing yet, -inf with -inf — makes no nan and
+    changes nothing, and the block gives that row no gradient; the merged output and gradients equal
+    one masked attention over both blocks' keys. Tolerance 1e-6 absolute on values of magnitude
+    ~1-3: fp32 (6e-8 relative) over sums of ≤ 8 terms, only their order differs (measured ≤ 5e-7)."""
+    from ultratron.parallel.context import _empty_output, block_backward, block_forward, merge
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    # True: the query (row) may attend the key (column); the first block holds keys 0-1, the second 2-3
+    mask = torch.tensor([[1, 0, 1, 1],
+                         [0, 0, 1, 0],  # row 1 sees no key of the first block
+                         [1, 1, 1, 0],
+                         [1, 1, 0, 0]], dtype=torch.bool)[None, None]  # row 3 none of the second
+    out, lse = _empty_output(q)
+    parts = [(slice(0, 2), block_forward(q, k[:, :, :2], v[:, :, :2], False, 1, mask[..., :2])),
+             (slice(2, 4), block_forward(q, k[:, :, 2:], v[:, :, 2:], False, 1, mask[..., 2:]))]
+    assert parts[0][1][1][0, :, 1].eq(float("-inf")).all() and parts[0][1][0][0, :, 1].eq(0).all()
+    for _, part in parts:
+        out, lse = merge(out, lse, *part)
+        assert not out.isnan().any()
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert (out - want).abs().max().item() <= 1e-6
+    dout = torch.randn_like(want)
+    want.backward(dout)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for keys, _ in parts:
+        g = block_backward(dout, q.detach(), k.detach()[:, :, keys], v.detach()[:, :, keys], out, lse, False, 1,
+                           mask[..., keys])
+        if keys.start == 0:
+            assert g[0][0, :, 1].eq(0).all()  # row 1: nothing from the block it cannot see
+        dq += g[0]
+        dk[:, :, keys], dv[:, :, keys] = g[1], g[2]
+    for got, ref in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        assert (got - ref).abs().max().item() <= 1e-6
+
+
+def test_documents_that_do_not_fit_the_tokens_are_refused():
+    from ultratron.parallel.context import ContextParallelAttention
+
+    model = _model()
+    tokens, documents, _ = _packed()
+    with pytest.raises(ValueError, match="documents cover 64 tokens, the sequence has 32"):
+        model(tokens[:, :32], documents=documents)
+    attention = ContextParallelAttention(None, 0, 2, "ring")
+    attention.active = True
+    q = torch.zeros(2, 4, 32, 16)
+    with pytest.raises(ValueError, match="a column for each of the sequence's 64 keys"):
+        attention(q, q, q, document_layout(documents)[1][:, :, :32, :32], 1)

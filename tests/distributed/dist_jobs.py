@@ -82,45 +82,101 @@ def measure_pipeline_memory(base: list[str], schedules: list[str], out_dir: str)
 
 def ring_attention_errors(out_dir: str) -> None:
     """On 4 ranks: context-parallel attention (ring and all-gather, cp 2 and 4, multi-head and
-    grouped-query) against full causal attention of the whole sequence — the largest absolute
-    difference of the output and of the q, k, v gradients, written to out_dir/rank<r>.json."""
+    grouped-query causal, grouped-query document-masked) against the attention of the whole sequence in one
+    process — the largest absolute difference of the output and of the q, k, v gradients, written
+    to out_dir/rank<r>.json."""
     import json
     from pathlib import Path
 
     import torch
     import torch.distributed as dist
 
-    from ultratron.models.llama.model import sdpa_attention
-    from ultratron.parallel.context import ContextParallelAttention, shard_sequence, unshard_sequence
+    from ultratron.models.llama.model import document_layout, sdpa_attention
+    from ultratron.parallel.context import ContextParallelAttention, shard_positions, shard_sequence, unshard_sequence
 
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # (every rank creates every group)
+    # Two packed rows of 64: documents that end inside chunks (a one-token one too), and documents
+    # that end on chunk boundaries, so that whole blocks and single query rows of a block see no key.
+    documents = torch.repeat_interleave(torch.tensor([[1, 2, 3, 4, 5], [1, 2, 3, 4, 4]]),
+                                        torch.tensor([[7, 13, 1, 20, 23], [16, 1, 15, 16, 16]]).flatten()
+                                        ).view(2, 64)
     results = {}
     for cp in (2, 4):
         group, cp_rank = (dist.group.WORLD, rank) if cp == 4 else (pairs[rank // 2], rank % 2)
         for mode in ("ring", "allgather"):
             for heads, kv_heads in ((4, 4), (4, 2)):
-                torch.manual_seed(cp * 10 + kv_heads)  # the same tensors on every rank
-                q, k, v = (torch.randn(2, h, 64, 16) for h in (heads, kv_heads, kv_heads))
-                weight = torch.randn(2, heads, 64, 16)
-                full = [t.clone().requires_grad_() for t in (q, k, v)]
-                out = sdpa_attention(*full, None, heads // kv_heads)
-                (out * weight).sum().backward()
-                local = [shard_sequence(t, cp, cp_rank, dim=2).requires_grad_() for t in (q, k, v)]
-                attention = ContextParallelAttention(group, cp_rank, cp, mode, local=sdpa_attention)
-                attention.active = True
-                mine = attention(*local, None, heads // kv_heads)
-                (mine * shard_sequence(weight, cp, cp_rank, dim=2)).sum().backward()
-                errors = {}
-                for name, got, expected in (("out", mine.detach(), out.detach()),
-                                            *((f"d{n}", t.grad, f.grad) for n, t, f in zip("qkv", local, full,
-                                                                                             strict=True))):
-                    shards = [torch.empty_like(got) for _ in range(cp)]
-                    dist.all_gather(shards, got.contiguous(), group=group)
-                    errors[name] = float((unshard_sequence(shards, dim=2) - expected).abs().max())
-                    errors[name + "_scale"] = float(expected.abs().max())
-                results[f"cp{cp}-{mode}-{'gqa' if kv_heads < heads else 'mha'}"] = errors
+                for masked in (False, True) if kv_heads < heads else (False,):  # (documents: GQA only)
+                    torch.manual_seed(cp * 10 + kv_heads)  # the same tensors on every rank
+                    q, k, v = (torch.randn(2, h, 64, 16) for h in (heads, kv_heads, kv_heads))
+                    weight = torch.randn(2, heads, 64, 16)
+                    full = [t.clone().requires_grad_() for t in (q, k, v)]
+                    mask = document_layout(documents)[1] if masked else None
+                    out = sdpa_attention(*full, mask, heads // kv_heads)
+                    (out * weight).sum().backward()
+                    local = [shard_sequence(t, cp, cp_rank, dim=2).requires_grad_() for t in (q, k, v)]
+                    attention = ContextParallelAttention(group, cp_rank, cp, mode, local=sdpa_attention)
+                    attention.active = True
+                    rows = shard_positions(64, cp, cp_rank)
+                    mine = attention(*local, document_layout(documents, rows)[1] if masked else None,
+                                     heads // kv_heads)
+                    (mine * shard_sequence(weight, cp, cp_rank, dim=2)).sum().backward()
+                    errors = {}
+                    for name, got, expected in (("out", mine.detach(), out.detach()),
+                                                *((f"d{n}", t.grad, f.grad) for n, t, f in zip("qkv", local, full,
+                                                                                                 strict=True))):
+                        shards = [torch.empty_like(got) for _ in range(cp)]
+                        dist.all_gather(shards, got.contiguous(), group=group)
+                        errors[name] = float((unshard_sequence(shards, dim=2) - expected).abs().max())
+                        errors[name + "_scale"] = float(expected.abs().max())
+                    heads_name = "gqa" if kv_heads < heads else "mha"
+                    results[f"cp{cp}-{mode}-{heads_name}" + ("-documents" if masked else "")] = errors
+            if cp == 2:
+                results[f"model-cp2-{mode}"] = _document_logits_errors(documents, group, cp_rank, mode)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _document_logits_errors(documents, group, cp_rank: int, mode: str) -> dict:
+    """A 2-layer Llama on the packed rows under cp2 (the axis' shard, the model's forward as the
+    trainer calls it): the largest difference of each document's logits from the document alone in
+    one process, and (that the documents matter) from the rows' plain causal logits."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from ultratron.models.llama import Llama, LlamaArgs
+    from ultratron.models.llama.model import sdpa_attention
+    from ultratron.models.registry import plan_of
+    from ultratron.parallel.axis import MicroBatch
+    from ultratron.parallel.context import ContextAxis, ContextParallelAttention, unshard_sequence
+
+    torch.manual_seed(0)
+    model = Llama(LlamaArgs(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97,
+                            max_seq_len=64, init_std=0.2)).eval()
+    tokens = torch.randint(0, 97, documents.shape)
+    attention = ContextParallelAttention(group, cp_rank, 2, mode, local=sdpa_attention)
+    plan_of(model).set_attention(model, attention)
+    axis = ContextAxis(attention, SimpleNamespace(cp=2, cp_rank=cp_rank))
+
+    def sharded(docs):
+        batch = axis.shard(MicroBatch(tokens, tokens, documents=docs))
+        with torch.no_grad(), axis.step_context(training=False):
+            mine = model(batch.inputs, positions=batch.positions, documents=batch.documents)
+        shards = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(shards, mine.contiguous(), group=group)
+        return unshard_sequence(shards)
+
+    packed, plain = sharded(documents), sharded(None)
+    worst = gap = 0.0
+    with torch.no_grad():
+        for row in range(documents.shape[0]):
+            spans = torch.unique_consecutive(documents[row], return_counts=True)[1].cumsum(0).tolist()
+            for a, b in zip([0] + spans[:-1], spans, strict=True):
+                alone = model(tokens[row:row + 1, a:b])[0]  # (the attention is local outside the step)
+                worst = max(worst, float((packed[row, a:b] - alone).abs().max()))
+                gap = max(gap, float((plain[row, a:b] - alone).abs().max()))
+    return {"logits": worst, "plain": gap}
 
 
 def measure_step_memory(base: list[str], layouts: list[list[str]], out_dir: str) -> None:

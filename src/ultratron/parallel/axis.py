@@ -39,12 +39,19 @@ from ultratron.parallel.grads import clip_grad_norm
 class MicroBatch:
     """What a rank computes one micro-batch on: token ids, targets (-100 where a token does not
     count in the loss), where they are not 0, 1, ... (a shard of longer sequences) the tokens'
-    positions, and under document masking each token's document number."""
+    positions, and under document masking each token's document number (of the whole sequences:
+    a shard's positions say which of those tokens it holds). `loss_weight` (a shard's, 0-dim): what
+    its mean loss over its own counted targets is multiplied by to be its part of the whole
+    micro-batch's mean, when the ranks that share the micro-batch average their losses."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
     positions: torch.Tensor | None = None
     documents: torch.Tensor | None = None
+    loss_weight: torch.Tensor | None = None
+
+    def weighted(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.loss_weight is None else loss * self.loss_weight
 
     def to(self, device: torch.device) -> MicroBatch:
         documents = None if self.documents is None else self.documents.to(device, non_blocking=True)
@@ -168,15 +175,13 @@ class Accumulation:
 
     def forward(self, model: nn.Module, batch: MicroBatch) -> torch.Tensor:
         with self.around_forward():
-            if batch.documents is not None:
-                return model(batch.inputs, documents=batch.documents)
-            return model(batch.inputs, positions=batch.positions)
+            return model(batch.inputs, positions=batch.positions, documents=batch.documents)
 
     def forward_backward(self, batches: list[MicroBatch]) -> torch.Tensor:
         total = None
         for i, batch in enumerate(batches):
             with self.axes.micro_batch_context(last=i == len(batches) - 1):
-                loss, ce = self.loss(self.forward(self.model, batch), batch.targets)
+                loss, ce = map(batch.weighted, self.loss(self.forward(self.model, batch), batch.targets))
                 (loss / len(batches)).backward()
             total = plain(ce.detach()) if total is None else total + plain(ce.detach())
         return total / len(batches)

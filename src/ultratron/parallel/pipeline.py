@@ -18,7 +18,8 @@ What PyTorch lacks and this file adds:
 In a step (`PipelineAxis`): the micro-batches run through the schedule (`PipelineRunner`), which
 divides the gradients by their count after the last backward; the loss, known on the last stage,
 reaches every rank of the pipeline; the gradient norm and per-layer metrics add the stages' ranks.
-A micro-batch's token positions (a context-parallel shard's) are handed to every stage module.
+A micro-batch's token positions (a context-parallel shard's) and its packed documents (under
+document masking) are handed to every stage module.
 """
 
 from __future__ import annotations
@@ -189,9 +190,11 @@ def _recv(src: int, group, device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def forward_only(pipeline: Pipeline, dims: ParallelDims, tokens: torch.Tensor) -> torch.Tensor | None:
+def forward_only(pipeline: Pipeline, dims: ParallelDims, tokens: torch.Tensor,
+                 documents: torch.Tensor | None = None) -> torch.Tensor | None:
     """The last stage's output (full logits, also under tensor parallel) on the rank that holds it,
-    None on the others: each stage runs where it lives and hands its activations to the next."""
+    None on the others: each stage runs where it lives and hands its activations to the next (the
+    packed `documents`, which every rank was given, go to every stage)."""
     group, me = dims.pp_group, dims.pp_rank
     modules = dict(zip(pipeline.mine, pipeline.modules, strict=True))
     x = tokens
@@ -200,7 +203,7 @@ def forward_only(pipeline: Pipeline, dims: ParallelDims, tokens: torch.Tensor) -
             continue
         if stage > 0 and pipeline.ranks[stage - 1] != me:
             x = _recv(dist.get_global_rank(group, pipeline.ranks[stage - 1]), group, tokens.device)
-        x = modules[stage](x)
+        x = modules[stage](x, documents=documents)
         if stage < pipeline.n_stages - 1 and pipeline.ranks[stage + 1] != me:
             _send(x, dist.get_global_rank(group, pipeline.ranks[stage + 1]), group)
     if not pipeline.holds_last:
@@ -288,10 +291,12 @@ class PipelineRunner:
             self.n_micro_batches = n
         inputs = torch.cat([b.inputs for b in batches])
         targets = torch.cat([b.targets for b in batches])
+        # every stage's module takes its micro-batch's documents (the schedule cuts them as the inputs)
+        documents = {} if batches[0].documents is None else {"documents": torch.cat([b.documents for b in batches])}
         self._losses.clear()
         with self._positions(batches[0].positions):
             self.schedule.step(*([inputs] if self.pipeline.holds_first else []), return_outputs=False,
-                               target=targets if self.pipeline.holds_last else None)
+                               target=targets if self.pipeline.holds_last else None, **documents)
         if not self.pipeline.holds_last:
             return torch.zeros((), device=self.device)
         # (the first step's shape inference computes one loss more)
@@ -303,7 +308,7 @@ class PipelineRunner:
     @torch.no_grad()
     def logits(self, batch: MicroBatch) -> torch.Tensor | None:
         with self._positions(batch.positions):
-            return forward_only(self.pipeline, self.dims, batch.inputs)
+            return forward_only(self.pipeline, self.dims, batch.inputs, batch.documents)
 
     def train(self, mode: bool) -> None:
         self.axis.part.train(mode)

@@ -56,7 +56,8 @@ class TrainStep:
         batch = self.axes.shard(MicroBatch(inputs, targets, documents=documents).to(self.device))
         with self.axes.step_context(training=False):
             logits = self.runner.logits(batch)
-        loss = cross_entropy(logits, batch.targets)[1] if logits is not None else torch.zeros((), device=self.device)
+        loss = batch.weighted(cross_entropy(logits, batch.targets)[1]) if logits is not None else \
+            torch.zeros((), device=self.device)
         return float(self.axes.average_loss(loss, training=False))
 
     @property

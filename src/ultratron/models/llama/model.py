@@ -66,18 +66,37 @@ class LlamaArgs:
         return self.n_experts > 0 and index >= self.n_dense_layers
 
 
-def document_layout(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def document_layout(documents: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed documents (batch, seq: a document number per token, equal within a document) → each
     token's position within its document (batch, seq) and the attention mask (batch, 1, seq, seq):
-    causal, and within a document only."""
+    causal, and within a document only. `rows` (n,): where the tokens at hand sit in the packed row
+    when they are some of its tokens (a context-parallel shard's); then the positions (batch, n)
+    and the mask's rows (batch, 1, n, seq) are theirs, its columns still every token of the row."""
     seq = documents.shape[1]
     index = torch.arange(seq, device=documents.device)
     starts = torch.ones_like(documents, dtype=torch.bool)
     starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
     first = torch.cummax(torch.where(starts, index, 0), dim=1).values  # each token's document start
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
-    mask = (documents[:, :, None] == documents[:, None, :]) & causal
-    return index - first, mask[:, None]
+    rows = index if rows is None else rows
+    causal = rows[:, None] >= index[None, :]
+    mask = (documents[:, rows, None] == documents[:, None, :]) & causal
+    return rows - first[:, rows], mask[:, None]
+
+
+def rope_and_mask(rope_cos: torch.Tensor, rope_sin: torch.Tensor, seq: int, positions: torch.Tensor | None,
+                  documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The rotary tables' rows for `seq` tokens at `positions` (None: 0, 1, ...) and the attention
+    mask (None: causal). With `documents` (batch, length of the packed row), `positions` say where
+    the tokens sit in that row (None: they are the whole row) and the tables rotate by each token's
+    position within its document (`document_layout`)."""
+    mask = None
+    if documents is not None:
+        if positions is None and documents.shape[1] != seq:
+            raise ValueError(f"documents cover {documents.shape[1]} tokens, the sequence has {seq}: give the "
+                             "positions of the sequence's tokens in the documents' row")
+        positions, mask = document_layout(documents, positions)
+    rows = positions if positions is not None else slice(0, seq)
+    return rope_cos[rows], rope_sin[rows], mask
 
 
 class RMSNorm(nn.Module):
@@ -185,7 +204,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """`mask` (batch, 1, seq, seq), True where a query may attend a key: packed documents'
-        block-diagonal causal mask (`document_layout`); None: causal."""
+        block-diagonal causal mask (`document_layout`; a context-parallel shard's has a column for
+        every token of the whole row, which the swapped-in attention takes); None: causal."""
         batch, seq, _ = x.shape
         # -1 instead of n_heads so that a tensor-parallel shard (fewer local heads) works unchanged.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -293,23 +313,19 @@ class Llama(nn.Module):
         `ultratron.inference.kv_cache.KVCache`) supplies each row's positions and keeps keys/values;
         `positions` (seq,) are the tokens' positions when they are not 0, 1, ... (a shard of a longer
         sequence, as context parallelism hands each rank); `documents` (batch, seq) number the packed
-        documents of each row: attention stays within a document and positions restart at each."""
+        documents of each row: attention stays within a document and positions restart at each
+        (with `positions`, the documents cover the whole row the shard was cut from)."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.args.max_seq_len}")
         x = self.tok_embeddings(tokens)
-        mask = None
-        if documents is not None:
-            if cache is not None or positions is not None:
-                raise ValueError("documents cannot be combined with a KV cache or given positions")
-            positions, mask = document_layout(documents)
-        if cache is None and positions is not None:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        elif cache is None:
-            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        if cache is None:
+            cos, sin, mask = rope_and_mask(self.rope_cos, self.rope_sin, seq, positions, documents)
+        elif documents is not None or positions is not None:
+            raise ValueError("a KV cache supplies the positions: documents or positions cannot be given with it")
         else:
             positions = cache.positions(seq)  # (batch, seq)
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            cos, sin, mask = self.rope_cos[positions], self.rope_sin[positions], None
         for name, layer in self.layers.items():
             x = layer(x, cos, sin, mask=mask) if cache is None else layer(x, cos, sin, cache.layer(name))
         logits = self.output(self.norm(x))

@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from ultratron.models.llama.model import sdpa_attention, softcap
+from ultratron.models.llama.model import rope_and_mask, sdpa_attention, softcap
 from ultratron.models.moe import MoE
 from ultratron.models.plan import ParallelPlan
 
@@ -115,16 +115,17 @@ class LlamaStage(nn.Module):
         self.sequence_shards = 1
         self.positions: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """`documents`: the packed documents of the micro-batch's rows, as `Llama.forward` takes them
+        (every stage builds their attention mask and positions)."""
         if self.tok_embeddings is not None:
             seq = x.shape[1]
             x = self.tok_embeddings(x)
         else:
             seq = x.shape[1] * self.sequence_shards
-        rows = self.positions if self.positions is not None else slice(0, seq)
-        cos, sin = self.rope_cos[rows], self.rope_sin[rows]
+        cos, sin, mask = rope_and_mask(self.rope_cos, self.rope_sin, seq, self.positions, documents)
         for layer in self.layers.values():
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask=mask)
         if self.output is not None:
             x = softcap(self.output(self.norm(x)), self.args.final_softcap)
         return x
