@@ -2,14 +2,19 @@
 memory`'s, their ratio, FLOPs against the planner's formula, and the simulation's own wall time and
 host memory (the largest child's peak RSS).
 
-  python benchmarks/simulate_scale.py [--only NAME[,NAME...]] [--list] [--json OUT.json]
+  python benchmarks/simulate_scale.py [--only NAME[,NAME...]] [--ranks roles|LIST] [--list] [--json OUT.json]
 
 The layouts are the issue's: Llama-3 8B at 8, 64 and 256 ranks (ZeRO 1 and 3, tp + sp, pp),
 70B at 512 and 1,024 ranks (tp8 × pp × dp), 405B at 2,048, a DeepSeek-V3-like mixture of experts
-with ep 8–64, and cp for 128k-token sequences. Every run is the default role selection (one rank
-per distinct pipeline role). A layout that cannot be simulated is reported as an error line, not
-skipped silently. Sequence lengths are 8192 (128k for cp), one
-micro-batch per rank and step unless the pipeline needs more (grad_accum = 2·pp).
+with ep 8–64, and cp for 128k-token sequences. The mixture of experts is the `deepseek-v3-like`
+preset: DeepSeek-V3's 256 routed experts (top-8), shared expert, dense first layers, sigmoid router
+and vocabulary, but grouped-query attention in place of its multi-head latent attention, which
+ultratron does not have; its routing is balanced by assumption (docs/simulate.md). Every run is
+the default role selection (one rank per distinct pipeline role) unless `--ranks` picks ranks
+(`--ranks 0`: the first stage only, when every role takes too long). A layout that cannot be simulated
+is reported as an error line, not skipped silently.
+Sequence lengths are 8192 (4096 for the mixture of experts, its pretraining length; 128k for cp),
+one micro-batch per rank and step unless the pipeline needs more (grad_accum = 2·pp).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ LAYOUTS: dict[str, list[str]] = {
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", help="comma list of layout names")
+    parser.add_argument("--ranks", default="roles", help="roles (one rank per pipeline role), or a comma list")
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--json", help="write every result here")
     args = parser.parse_args()
@@ -78,7 +84,7 @@ def main() -> int:
     for name in names:
         started = time.perf_counter()
         try:
-            result = simulate(None, LAYOUTS[name])
+            result = simulate(None, LAYOUTS[name], args.ranks)
         except UserError as err:
             print(f"{name:24} error: {'; '.join(err.problems)}")
             out[name] = {"error": err.problems}

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from ultratron.config import load_config
+from ultratron.planning.memory import pipeline_ranks
 from ultratron.simulate.run import simulate
 
 SEQ = ["--training.seq_len", "1024", "--training.micro_batch_size", "1", "--training.precision", "bf16"]
@@ -27,16 +29,22 @@ def test_1b_at_16_ranks_dp2_tp2_pp2_cp2():
     _check(result)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "not yet: routing is data-dependent (the router's torch.bincount, the all-to-all's split sizes read on "
-    "the host), which fake tensors cannot run; needs a stand-in routing (e.g. uniform) for the simulation"))
 def test_a_1b_shaped_mixture_of_experts_at_32_ranks_with_zero3_and_ep():
+    """With balanced routing (docs/simulate.md) the peak and FLOPs are the planner's, and each MoE layer's
+    all-to-all carries exactly a balanced step's bytes."""
     moe = ["--model.preset", "moe-tiny", "--model.dim", "1024", "--model.n_layers", "8", "--model.n_heads", "16",
            "--model.n_kv_heads", "4", "--model.ffn_dim", "2816", "--model.n_experts", "16",
            "--model.expert_ffn_dim", "2816",
            "--model.vocab_size", "32768", "--model.max_seq_len", "1024"]
-    result = simulate(None, [*moe, "--parallel.dp", "8", "--parallel.tp", "2", "--parallel.sp", "true",
-                             "--parallel.pp", "2", "--parallel.ep", "4", "--parallel.zero", "3",
-                             "--training.batch_tokens", "32768", *SEQ])
+    args = [*moe, "--parallel.dp", "8", "--parallel.tp", "2", "--parallel.sp", "true", "--parallel.pp", "2",
+            "--parallel.ep", "4", "--parallel.zero", "3", "--training.batch_tokens", "32768", *SEQ]
+    result = simulate(None, args)
     assert result["world_size"] == 32 and result["model_params"] > 0.8e9
     _check(result)
+    # per MoE layer and micro-batch a rank sends its 16 int64 counts, then its T·k = 1024·2 slots (bf16, 1024
+    # wide) to their experts and back, and their gradients both ways in backward
+    cfg = load_config(None, args)
+    slots_bytes = 1024 * 2 * 1024 * 2
+    for r, where in zip(result["ranks"], pipeline_ranks(cfg.model, cfg.layout), strict=True):
+        calls = sum(where.layers) * cfg.grad_accum_steps
+        assert r["bytes_by_op"]["all_to_all"] == calls * (16 * 8 + 4 * slots_bytes), r["role"]

@@ -12,7 +12,7 @@ from ultratron.models.presets import PRESETS
 from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.hardware import get_accelerator
 from ultratron.planning.layout import Layout
-from ultratron.planning.memory import GiB, estimate_memory
+from ultratron.planning.memory import GiB, estimate_memory, estimate_memory_per_rank, pipeline_ranks
 from ultratron.planning.params import count_params_of
 from ultratron.planning.search import SearchSpec, enumerate_layouts, estimate_step
 
@@ -31,6 +31,20 @@ def test_experts_split_over_ep_and_the_rest_over_zero():
     dense_path = estimate_memory(MIXTRAL, Layout(dp=16, zero=3, seq_len=4096))  # ep 1: FSDP shards the experts too
     assert dense_path.extra["expert_params_on_gpu"] == 0
     assert dense_path.parameters == pytest.approx(4 * counts.total / 16)
+
+
+def test_each_pipeline_rank_is_priced_with_its_own_moe_layers():
+    """DeepSeek-V3's 3 dense first layers all sit on the first stage, so it holds fewer MoE layers than a
+    middle stage of as many layers: its split experts are its own MoE layers' (found by ultratron simulate,
+    docs/simulate.md, where the model's average layer overpriced the first stage by 30%)."""
+    shape = PRESETS["deepseek-v3-like"]
+    layout = Layout(dp=8, pp=8, ep=8, zero=1, seq_len=4096, micro_batch_size=1, grad_accum=16, precision="bf16")
+    ranks, mems = pipeline_ranks(shape, layout), estimate_memory_per_rank(shape, layout)
+    per_layer = count_params_of(shape).routed_experts / layout.ep
+    assert ranks[0].dense_layers == 3 and all(r.dense_layers == 0 for r in ranks[1:])
+    for where, mem in zip(ranks, mems, strict=True):
+        assert mem.extra["expert_params_on_gpu"] == pytest.approx((sum(where.layers) - where.dense_layers) * per_layer)
+    assert ranks[0].layers == ranks[1].layers and mems[0].activations < mems[1].activations
 
 
 def test_all_to_all_buffers_appear_with_ep_only():

@@ -39,6 +39,12 @@ The experts run through `MoE.dispatch(tokens, choice, weights, keep, experts)`: 
 here (sort the token slots by expert, one matmul chain per expert, weighted sum back). Expert
 parallelism (`ultratron.parallel.expert`) swaps in one that sends the slots to the rank
 holding their expert with all-to-all and back; the model never knows.
+
+Routing's data reaches the host in one place: `counts_on_host`, the slots per expert as Python
+ints, by which a dispatch splits its rows (and expert parallelism its all-to-all). Everything else
+has shapes known without the data (the counts are a scatter-add, not `bincount`, whose length
+depends on the largest index), so `ultratron simulate`, which runs the step on fake tensors
+without values, puts balanced counts in `counts_on_host`'s place and nothing else changes.
 """
 
 from __future__ import annotations
@@ -78,23 +84,38 @@ class GroupedExperts(nn.Module):
         return grouped_swiglu(x, counts, self.w1, self.w2, self.w3)
 
 
+def count_slots(flat: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Slots per expert (int64, n_experts) among `flat`, expert indices; the index n_experts marks a
+    dropped slot and is not counted. The counts `bincount` gives, at a length known without the data."""
+    bins = torch.zeros(n_experts + 1, dtype=torch.long, device=flat.device)
+    return bins.scatter_add_(0, flat, torch.ones_like(flat))[:n_experts]
+
+
+def counts_on_host(counts: torch.Tensor, routed: int) -> list[int]:
+    """Slots per expert (a 1-D tensor of them) as Python ints: routing's one read of the data on the
+    host. `routed` is the number of slots a rank's router chose (T·k), which the balanced stand-in of
+    `ultratron simulate` (which replaces this function) spreads over the experts; a real read needs
+    only the counts."""
+    return counts.tolist()
+
+
 def sort_by_expert(choice: torch.Tensor, keep: torch.Tensor | None, n_experts: int):
-    """(token index of each kept slot in expert order, the order over the flat slots, rows per
-    expert). choice (T, k) → T·k slots, slot s = token s // k."""
+    """(token index of each kept slot in expert order, the order over the flat slots, rows per expert
+    as a tensor and on the host). choice (T, k) → T·k slots, slot s = token s // k."""
     flat = choice.flatten()
-    slots = torch.arange(flat.numel(), device=flat.device)
     if keep is not None:
-        slots, flat = slots[keep.flatten()], flat[keep.flatten()]
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)
-    return slots[order] // choice.shape[1], slots[order], counts
+        flat = flat.masked_fill(~keep.flatten(), n_experts)  # dropped slots sort after every expert's
+    counts = count_slots(flat, n_experts)
+    sizes = counts_on_host(counts, flat.numel())
+    order = torch.argsort(flat, stable=True)[:sum(sizes)]
+    return order // choice.shape[1], order, counts, sizes
 
 
 def local_dispatch(tokens: torch.Tensor, choice: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None,
                    experts: GroupedExperts) -> torch.Tensor:
     """Every expert on this process: each kept slot's token through its expert, weighted, summed."""
-    token, slot, counts = sort_by_expert(choice, keep, experts.n_experts)
-    out = experts(tokens[token], counts.tolist())
+    token, slot, _, sizes = sort_by_expert(choice, keep, experts.n_experts)
+    out = experts(tokens[token], sizes)
     out = out * weights.flatten()[slot].unsqueeze(-1).to(out.dtype)
     return torch.zeros_like(tokens).index_add(0, token, out.to(tokens.dtype))
 
@@ -146,7 +167,7 @@ class Router(nn.Module):
         weights = scores.gather(-1, choice)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
-        load = torch.bincount(choice.flatten(), minlength=self.n_experts).float()
+        load = count_slots(choice.flatten(), self.n_experts).float()
         keep, capacity = None, self.capacity(x.shape[0])
         if capacity is not None:
             keep = self._within_capacity(choice, capacity)
@@ -163,7 +184,7 @@ class Router(nn.Module):
         """Each slot's place in its expert's queue (token order) below the capacity."""
         flat = choice.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts)
+        counts = count_slots(flat, self.n_experts)
         starts = torch.cumsum(counts, 0) - counts
         place = torch.empty_like(flat)
         place[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]

@@ -28,11 +28,14 @@ every token that data parallelism takes of the other gradients.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from ultratron.models import moe as moe_layer
 from ultratron.models.moe import GroupedExperts, grouped_swiglu, sort_by_expert
 from ultratron.models.plan import ParallelPlan
 from ultratron.parallel.axis import Axis
@@ -84,14 +87,21 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def _expert_major(received: torch.Tensor) -> torch.Tensor:
-    """received[s, e] rows came from ep rank s for local expert e, sender after sender: the row
+def _per_rank(counts: list[int], ep: int) -> list[list[int]]:
+    """Slots per expert → per ep rank, per its local expert (rank r holds experts r·E/ep onwards)."""
+    local = len(counts) // ep
+    return [counts[r * local:(r + 1) * local] for r in range(ep)]
+
+
+def _expert_major(received: list[list[int]], device) -> torch.Tensor:
+    """received[s][e] rows came from ep rank s for local expert e, sender after sender: the row
     order that puts them expert after expert (sender order within an expert)."""
-    flat = received.flatten()
-    starts = (torch.cumsum(flat, 0) - flat).view_as(received)
-    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + received[s, e]), device=received.device)
-              for e in range(received.shape[1]) for s in range(received.shape[0])]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=received.device)
+    local = len(received[0])
+    sizes = [rows for row in received for rows in row]
+    starts = [0, *accumulate(sizes)]
+    pieces = [torch.arange(starts[s * local + e], starts[s * local + e + 1], device=device)
+              for e in range(local) for s in range(len(received))]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
 
 
 class ShardedExperts:
@@ -103,20 +113,22 @@ class ShardedExperts:
     def __call__(self, tokens, choice, weights, keep, experts: GroupedExperts) -> torch.Tensor:
         if self.tp_group is not None:
             tokens, weights = _CopyToTP.apply(tokens, self.tp_group), _CopyToTP.apply(weights, self.tp_group)
-        token, slot, counts = sort_by_expert(choice, keep, experts.n_experts)
+        token, slot, counts, sizes = sort_by_expert(choice, keep, experts.n_experts)
         w1, w2, w3 = _local(experts.w1), _local(experts.w2), _local(experts.w3)
         x = tokens[token]
         if self.ep > 1:
-            send = counts.view(self.ep, -1)  # slots for each ep rank, per its local expert
-            received = torch.empty_like(send)
-            dist.all_to_all_single(received, send, group=self.ep_group)
-            to_ranks, from_ranks = send.sum(1).tolist(), received.sum(1).tolist()
+            received = torch.empty_like(counts)  # per sender, its slots for each local expert
+            dist.all_to_all_single(received, counts, group=self.ep_group)
+            got = _per_rank(moe_layer.counts_on_host(received, choice.numel()), self.ep)
+            send = _per_rank(sizes, self.ep)
+            to_ranks, from_ranks = [sum(row) for row in send], [sum(row) for row in got]
             x = _AllToAll.apply(x, from_ranks, to_ranks, self.ep_group)
-            order = _expert_major(received)
-            out = grouped_swiglu(x[order], received.sum(0).tolist(), w1, w2, w3)[torch.argsort(order)]
+            order = _expert_major(got, x.device)
+            per_expert = [sum(column) for column in zip(*got, strict=True)]
+            out = grouped_swiglu(x[order], per_expert, w1, w2, w3)[torch.argsort(order)]
             out = _AllToAll.apply(out, to_ranks, from_ranks, self.ep_group)
         else:
-            out = grouped_swiglu(x, counts.tolist(), w1, w2, w3)
+            out = grouped_swiglu(x, sizes, w1, w2, w3)
         out = out * weights.flatten()[slot].unsqueeze(-1).to(out.dtype)
         out = torch.zeros_like(tokens).index_add(0, token, out.to(tokens.dtype))
         return _ReduceFromTP.apply(out, self.tp_group) if self.tp_group is not None else out

@@ -156,7 +156,8 @@ def _with_experts(items: dict[str, float], mlp: str, shape, layout, recompute: s
     place of the dense SwiGLU's share `mlp` (w1·x and w3·x under selective recompute, all four else).
     Under autocast's casts each matmul also keeps its own bf16 input and weight copy: the router's,
     the k routed slots' and the shared experts' twice (w1, w3) instead of the dense w1/w3's, and
-    the rank's E/ep experts' weights instead of the dense MLP's."""
+    the rank's E/ep experts' weights instead of the dense MLP's. Under FSDP2 in bf16 the split
+    experts (ep or tp > 1), which FSDP leaves alone, stay fp32: autocast copies them too."""
     share = moe_layer_share(shape)
     if not share:
         return items
@@ -171,6 +172,9 @@ def _with_experts(items: dict[str, float], mlp: str, shape, layout, recompute: s
         items["matmul inputs"] += share * p * tokens * h * (1 + 2 * k + 2 * shared - 2)
         weights = experts * h + 3 * h * he * (experts / layout.ep + shared) / t - 3 * h * shape.ffn_dim / t
         items["bf16 weight copies"] += share * 2 * weights
+    elif recompute == "none" and layout.wrapper == "fsdp" and layout.precision == "bf16" and (layout.ep > 1 or t > 1):
+        experts, he = shape.n_experts, expert_ffn_dim_of(shape)
+        items["bf16 weight copies"] = share * 2 * 3 * h * he * experts / layout.ep / t
     return items
 
 

@@ -18,7 +18,8 @@ in place of the dense SwiGLU's 4·p·T·h_ff/t):
   dense one; shared experts 4·p·T·S·h_e/t (the layer's input is the norm's output, counted there).
   Selective recompute keeps the matmul outputs only (p·T·E, 3·p·T·k·h_e/t, p·T·k·h, 3·p·T·S·h_e/t);
   full recompute keeps only the layer input. Dense first layers (DeepSeek-V3) count as dense; a
-  pipeline rank is charged the average layer. `planning.activations` puts these in place of the
+  pipeline rank is charged the average of its own layers (`planning.memory`; the dense ones sit on the
+  first stage). `planning.activations` puts these in place of the
   dense SwiGLU's share and, under autocast's per-matmul casts, adds the router's, the slots' and
   the shared experts' bf16 input copies and the rank's expert weight copies.
 

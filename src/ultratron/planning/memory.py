@@ -73,12 +73,12 @@ from ultratron.planning.activations import (
     loss_backward_bytes,
     per_op_layer_items,
 )
-from ultratron.planning.experts import all_to_all_buffer_bytes, routed_expert_params_per_layer
+from ultratron.planning.experts import all_to_all_buffer_bytes, is_moe, routed_expert_params_per_layer
 from ultratron.planning.layout import Layout, check_layout
 from ultratron.planning.lora import adapter_params_per_layer
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import peak_in_flight, rank_stages, stage_ranks, stage_split
-from ultratron.planning.rules import head_dim_of
+from ultratron.planning.rules import field_of, head_dim_of
 
 GiB = 1024**3
 __all__ = ["ACTIVATION_MODELS", "RECOMPUTE", "GiB", "MemoryBreakdown", "estimate_memory", "estimate_memory_per_rank",
@@ -133,6 +133,7 @@ class PipelineRank:
     layers: list[int]  # per stage, in the order of `stages`
     first: bool
     last: bool
+    dense_layers: int = 0  # of its layers, a mixture of experts' dense first layers (DeepSeek-V3's 3)
 
     @property
     def name(self) -> str:
@@ -143,16 +144,29 @@ class PipelineRank:
 
 def pipeline_ranks(shape, layout: Layout) -> list[PipelineRank]:
     """Every pipeline rank's stages and layers, from the trainer's own split and placement."""
+    dense = field_of(shape, "n_dense_layers") if is_moe(shape) else 0
     if layout.pp == 1:
-        return [PipelineRank(0, [0], [shape.n_layers], True, True)]
+        return [PipelineRank(0, [0], [shape.n_layers], True, True, dense)]
     split = stage_split(shape, layout.pp, layout.pp_schedule, layout.pp_virtual_stages, layout.pp_balance,
                         layout.seq_len, layout.pp_split)
+    starts = [sum(split[:s]) for s in range(len(split))]
     ranks = stage_ranks(layout.pp_schedule, layout.pp, layout.pp_virtual_stages)
     out = []
     for rank in range(layout.pp):
         stages = rank_stages(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, rank)
-        out.append(PipelineRank(rank, stages, [split[s] for s in stages], ranks[0] == rank, ranks[-1] == rank))
+        held_dense = sum(max(0, min(starts[s] + split[s], dense) - starts[s]) for s in stages)
+        out.append(PipelineRank(rank, stages, [split[s] for s in stages], ranks[0] == rank, ranks[-1] == rank,
+                                held_dense))
     return out
+
+
+def _rank_shape(shape, where: PipelineRank):
+    """The model as far as a pipeline rank holds it: its layers, of which its dense ones, so that the
+    average layer the terms below charge is the rank's own (a mixture of experts' dense first layers
+    all sit on the first stage)."""
+    if not is_moe(shape) or (sum(where.layers) == shape.n_layers and where.dense_layers == shape.n_dense_layers):
+        return shape
+    return replace(shape, n_layers=sum(where.layers), n_dense_layers=where.dense_layers)
 
 
 def _layer_params(shape, t: int) -> float:
@@ -233,6 +247,7 @@ def _stage_items(shape, layout: Layout, stage: int, layers: int, n_stages: int,
 
 
 def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: tuple | None = None) -> MemoryBreakdown:
+    shape = _rank_shape(shape, where)
     params = _rank_params(shape, layout, where)
     st = _static(layout)
     # split experts (ep or tp > 1) are left out of ZeRO's sharding and DDP's buckets, as the trainer does:

@@ -31,6 +31,11 @@ What the fake backend cannot do, and what stands in for it:
     (`simulate/ddp.py`). ZeroRedundancyOptimizer runs as it is.
   * a value read on the host (`.item()`, `float(loss)`) has no value: the simulation does not
     read the loss or the gradient norm.
+  * a mixture of experts' routing is data: how many token slots each expert gets sets the shapes of
+    its matmuls and of expert parallelism's all-to-all. The one place they reach the host,
+    `models.moe.counts_on_host`, answers balanced routing instead (`_balanced_routing`): each
+    expert receives an even share of the T·k slots a rank routes, split evenly over the ep ranks,
+    so every rank's step has the memory and collectives of a balanced step.
 
 Run as `python -m ultratron.simulate.rank REQUEST.json RESULT.json` by `simulate/run.py`.
 """
@@ -120,6 +125,18 @@ def _stand_in_for_ddp() -> None:
     data.DistributedDataParallel = StandInDDP
 
 
+def _balanced_routing() -> None:
+    """Every expert gets routed // E of a rank's routed slots (the first routed % E one more), and
+    so does every counts vector the ep ranks exchange: each rank routes, sends and receives as many."""
+    from ultratron.models import moe
+
+    def balanced(counts: torch.Tensor, routed: int) -> list[int]:
+        experts = counts.shape[0]
+        return [routed // experts + (e < routed % experts) for e in range(experts)]
+
+    moe.counts_on_host = balanced
+
+
 def _repoint(obj, renamed: dict, depth: int) -> None:
     """Parameters an axis kept at parallelize time (the pipeline's tied copies) → the ones
     `to_empty` put in their place."""
@@ -178,6 +195,7 @@ def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir:
     for name in ("MASTER_ADDR", "TORCHELASTIC_USE_AGENT_STORE"):
         os.environ.pop(name, None)
     _pipeline_metadata(Path(meta_dir))
+    _balanced_routing()
     dims = topology(layout, cfg.parallel.collective_timeout)
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     import warnings
