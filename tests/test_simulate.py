@@ -141,3 +141,37 @@ def test_the_command_prints_json_and_bad_input_is_one_error_line(tmp_path):
         proc = run_cli("simulate", *SMALL, *bad)
         assert proc.returncode == 2
         assert proc.stderr.strip().startswith("error:") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+_IN_PLACE = """
+import torch, torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from ultratron.simulate.measure import memory_tracker, total
+
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+mesh = init_device_mesh("cpu", (4,))
+with FakeTensorMode():
+    x = DTensor.from_local(torch.empty(1024, 256), mesh, [Shard(0)], run_check=False)
+    tracker = memory_tracker()
+    tracker.track_external(x)
+    with tracker:
+        before = total(tracker.get_tracker_snapshot("current"))
+        x.mul_(2)
+        x.add_(1)
+        print(total(tracker.get_tracker_snapshot("peak")) - before)
+"""
+
+
+def test_dtensor_sharding_propagation_is_not_counted_as_the_ranks_memory():
+    """DTensor works out an in-place op's output by running it on a fake tensor of the global shape
+    (4 × the rank's 1 MiB here); under the simulation's own fake mode MemTracker counted that as an
+    allocation (the whole (tokens × vocab) logits gradient under loss parallel, tp × the rank's
+    share). In place, on this rank's shard, nothing is allocated: the peak stays."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _IN_PLACE], capture_output=True, text=True, timeout=300, check=True)
+    assert int(out.stdout.split()[-1]) == 0, out.stdout

@@ -154,10 +154,43 @@ class _Backward:
         return False
 
 
+_PROPAGATING = [0]  # > 0 while DTensor works out an op's output shape (`_untracked_propagation`)
+
+
+def _untracked_propagation() -> None:
+    """DTensor works out an op's output shape (its sharding propagation's slow path) by running the op
+    on fake tensors of the global shape, under the active fake mode. In a real run that is a fake mode
+    of its own, whose ops MemTracker skips; under the simulation's fake mode MemTracker would count
+    them as this rank's allocations: a transient of the whole tensor, tp × the rank's share, for every
+    such op (e.g. loss-parallel's in-place backward over the (tokens × vocab) logits). Those ops are
+    not tracked."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+    if getattr(original, "untracked", False):
+        return
+
+    def propagate(self, op_schema):
+        _PROPAGATING[0] += 1
+        try:
+            return original(self, op_schema)
+        finally:
+            _PROPAGATING[0] -= 1
+
+    propagate.untracked = True
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+
+
 def memory_tracker():
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
+    class Tracker(MemTracker):
+        def _track(self, reftype, t):
+            if not _PROPAGATING[0]:
+                super()._track(reftype, t)
+
+    _untracked_propagation()
+    tracker = Tracker()
     tracker._mod_tracker = _Backward()
     return tracker
 
