@@ -66,9 +66,14 @@ def test_static_bytes_follow_the_trainers_zero_stages():
     assert estimate_memory(LLAMA8B, Layout(grad_accum=2, **big)).backward_gradients == 4 * psi
     # FSDP2 makes its sharded gradients after backward: at a short sequence the optimizer step, with
     # them and foreach AdamW's fp32 temporary per sharded parameter (4/8 each) but no activations, is the peak
-    short = estimate_memory(LLAMA8B, Layout(dp=8, zero=3, seq_len=256, grad_accum=2))
+    short = estimate_memory(LLAMA8B, Layout(dp=8, zero=3, seq_len=256))
     assert short.backward_gradients == 0 and short.peak_moment == "step"
     assert short.peak_bytes == pytest.approx(short.static_bytes + short.comm_buffers + 4 / 8 * psi, rel=1e-12)
+    # with a second micro-batch the unsharded fp32 accumulation (4 per parameter) is alive at backward's
+    # peak, gone at the step: the last reduce-scatter frees it as it makes the sharded gradients
+    accumulating = estimate_memory(LLAMA8B, Layout(dp=8, zero=3, seq_len=256, grad_accum=2))
+    assert accumulating.grad_accum_buffer == 4 * psi and accumulating.peak_moment == "backward"
+    assert accumulating.step_bytes == pytest.approx(short.step_bytes, rel=1e-12)
     # Megatron-LM's table ("bf16 param, fp32 grads"): 18 bytes, 6 + 12/d with the distributed optimizer
     for dp, zero, want in ((1, 0, 18), (8, 1, 6 + 12 / 8)):
         got = estimate_memory(LLAMA8B, Layout(dp=dp, zero=zero, seq_len=2048, fp32_grad_accum=True))
