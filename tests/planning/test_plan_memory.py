@@ -54,11 +54,26 @@ def test_static_bytes_follow_the_trainers_zero_stages():
     # ... but its one-time bucket rebuild holds old and new buckets (4Ψ) while no activations live,
     # which is the peak when the activations are smaller
     assert small.peak_bytes == pytest.approx(small.static_bytes + 4 * psi, rel=1e-12)
-    # with activations above 4Ψ the rebuild is not the peak: a step as one process's, plus nothing
+    # with activations above 4Ψ the rebuild is not the peak: backward's is, where DDP's buckets hold
+    # the gradients while one process (one micro-batch a step, gradients zeroed to None) has made none yet
     big = dict(seq_len=8192, micro_batch_size=8, recompute="none")
     one, ddp = estimate_memory(LLAMA8B, Layout(**big)), estimate_memory(LLAMA8B, Layout(dp=8, **big))
     assert one.peak_bytes - one.static_bytes > 4 * psi
-    assert ddp.peak_bytes == pytest.approx(one.peak_bytes, rel=1e-12) and ddp.static_bytes == one.static_bytes
+    assert one.backward_gradients == 0 and ddp.backward_gradients == ddp.gradients == 4 * psi
+    assert ddp.peak_bytes == pytest.approx(one.peak_bytes + 4 * psi, rel=1e-12)
+    assert ddp.static_bytes == one.static_bytes
+    # a second micro-batch starts backward with the first one's gradients made
+    assert estimate_memory(LLAMA8B, Layout(grad_accum=2, **big)).backward_gradients == 4 * psi
+    # FSDP2 makes its sharded gradients after backward: at a short sequence the optimizer step, with
+    # them and foreach AdamW's fp32 temporary per sharded parameter (4/8 each) but no activations, is the peak
+    short = estimate_memory(LLAMA8B, Layout(dp=8, zero=3, seq_len=256))
+    assert short.backward_gradients == 0 and short.peak_moment == "step"
+    assert short.peak_bytes == pytest.approx(short.static_bytes + short.comm_buffers + 4 / 8 * psi, rel=1e-12)
+    # with a second micro-batch the unsharded fp32 accumulation (4 per parameter) is alive at backward's
+    # peak, gone at the step: the last reduce-scatter frees it as it makes the sharded gradients
+    accumulating = estimate_memory(LLAMA8B, Layout(dp=8, zero=3, seq_len=256, grad_accum=2))
+    assert accumulating.grad_accum_buffer == 4 * psi and accumulating.peak_moment == "backward"
+    assert accumulating.step_bytes == pytest.approx(short.step_bytes, rel=1e-12)
     # Megatron-LM's table ("bf16 param, fp32 grads"): 18 bytes, 6 + 12/d with the distributed optimizer
     for dp, zero, want in ((1, 0, 18), (8, 1, 6 + 12 / 8)):
         got = estimate_memory(LLAMA8B, Layout(dp=dp, zero=zero, seq_len=2048, fp32_grad_accum=True))

@@ -266,7 +266,9 @@ def run_memory(args) -> int:
                   "parameters only, gradients and optimizer state for the adapters alone")
         header = ["term"] + [f"#{i + 1}" for i in range(len(results))]
         rows = [[term] + [gib(getattr(m, term)) for _, m in results] for term in MemoryBreakdown.TERMS]
+        rows.append(["step_temporaries"] + [gib(m.step_temporaries) for _, m in results])
         rows.append(["peak"] + [gib(m.peak_bytes) for _, m in results])
+        rows.append(["peak at"] + [m.peak_moment for _, m in results])
         rows.append(["stage"] + [m.stage if lay.pp == 1 else f"{m.stage} (rank {m.extra['pp_rank']})"
                                  for lay, m in results])
         print(table(header, rows))

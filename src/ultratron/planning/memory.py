@@ -48,10 +48,21 @@ keep a receive buffer per micro-batch for the activations (and for their gradien
 that has a neighbour on another rank. Every pipeline rank is estimated; the heaviest is reported
 (`estimate_memory_per_rank` gives each).
 
-Peak = static + communication buffers + activations + loss + the largest transient: the loss's
-backward, a block's backward (its recomputed activations and the gradients in flight), or the
-optimizer step's temporaries (torch's foreach AdamW — sharded or DTensor parameters — allocates an
-fp32 tensor per parameter for sqrt(v); the fused AdamW the trainer uses otherwise allocates none).
+Peak: the larger of two moments (`MemoryBreakdown.peak_moment`).
+  Backward's (`backward_bytes`): static + communication buffers + activations + loss + the larger
+  transient of the loss's backward and a block's backward (its recomputed activations and the
+  gradients in flight) — less the gradients not made yet (`gradients` stays the rank's gradient
+  bytes; `backward_gradients` those alive then): the trainer zeroes them to None, FSDP2 makes its
+  sharded gradients in the last micro-batch's reduce-scatter, so none of them (under pp, where the
+  stages reduce after all micro-batches, they stay counted: they stand in for that moment's
+  accumulation, gradients and reduce-scatter buffers, see `_static`); one process's exist once an earlier micro-batch made them (grad_accum > 1 or
+  pp > 1); DDP's are views of buckets that stay, so all of them. Measured by `ultratron simulate`
+  (Llama-3 8B, seq 4096, mb 1, bf16, dp 8, ZeRO-3: the peak at backward's start without gradients).
+  The optimizer step's (`step_bytes`): static with every gradient (but FSDP2's unsharded
+  accumulation, freed by the reduce-scatter that makes them) + communication buffers +
+  `step_temporaries`, no activations: torch's foreach AdamW (sharded or DTensor parameters)
+  allocates an fp32 tensor per trained parameter for sqrt(v), the fused AdamW the trainer uses
+  otherwise none; or DDP's bucket rebuild before the second step's forward.
 What torch's allocator does not count is left to the search's headroom: the CUDA context, NCCL's
 own buffers (NCCL_BUFFSIZE, 4 MiB per channel and peer by default) and allocator fragmentation.
 """
@@ -97,9 +108,16 @@ class MemoryBreakdown:
     activations: float
     loss_logits: float  # the fp32 log-probabilities kept for the cross-entropy backward
     comm_buffers: float
-    transient: float  # what is briefly alive at the peak on top of the above (see the module doc)
+    transient: float  # what backward briefly holds at its peak on top of the above (see the module doc)
     stage: str  # "only", or the pipeline rank's stages: "first", "last", "first+last" or "middle"
     extra: dict = field(default_factory=dict)
+    # of `gradients`, those alive at backward's peak: all of DDP's (its buckets stay), none of FSDP2's
+    # (made by the last micro-batch's reduce-scatter), one process's only once an earlier micro-batch made them
+    backward_gradients: float | None = None  # None: all of `gradients`
+    step_temporaries: float = 0.0  # the optimizer step's (or DDP's bucket rebuild's), no activations alive
+    # FSDP2's last reduce-scatter frees the unsharded accumulation as it makes the sharded gradients;
+    # Megatron-LM's fp32 main gradients are what the step reads
+    accum_at_step: bool = True
 
     TERMS = ("parameters", "gradients", "grad_accum_buffer", "master_weights", "optimizer_states",
              "activations", "loss_logits", "comm_buffers", "transient")
@@ -110,12 +128,31 @@ class MemoryBreakdown:
                 + self.optimizer_states)
 
     @property
+    def backward_bytes(self) -> float:
+        """Backward's peak: every term, less the gradients not made yet."""
+        absent = 0.0 if self.backward_gradients is None else self.gradients - self.backward_gradients
+        return sum(getattr(self, term) for term in self.TERMS) - absent
+
+    @property
+    def step_bytes(self) -> float:
+        """The optimizer step: the static terms, every gradient made, the buffers and the step's temporaries."""
+        accum = 0.0 if self.accum_at_step else self.grad_accum_buffer
+        return self.static_bytes - accum + self.comm_buffers + self.step_temporaries
+
+    @property
+    def peak_moment(self) -> str:
+        return "step" if self.step_bytes > self.backward_bytes else "backward"
+
+    @property
     def peak_bytes(self) -> float:
-        return sum(getattr(self, term) for term in self.TERMS)
+        return max(self.backward_bytes, self.step_bytes)
 
     def as_dict(self) -> dict:
         out = asdict(self)
         out["static_bytes"] = self.static_bytes
+        out["backward_bytes"] = self.backward_bytes
+        out["step_bytes"] = self.step_bytes
+        out["peak_moment"] = self.peak_moment
         out["peak_bytes"] = self.peak_bytes
         return out
 
@@ -207,15 +244,18 @@ class _Static:
     ddp_buckets: bool  # DDP: gradients are views of its buckets, which it rebuilds once (a second copy then)
     gathered_blocks: bool  # ZeRO-3: weights gathered a block at a time
     fused_adam: bool  # the fused AdamW (no temporaries); else torch's foreach AdamW
+    backward_gradients: bool  # the gradients exist at backward's peak (see MemoryBreakdown.backward_gradients)
+    accum_at_step: bool = True  # the accumulation buffer is alive at the optimizer step (not FSDP2's)
 
 
 def _static(layout: Layout) -> _Static:
     """The static terms of the layout as the trainer runs it (see the module docstring)."""
     n = layout.shard_group
     wrapper = layout.wrapper
+    earlier = layout.grad_accum > 1 or layout.pp > 1  # a micro-batch's backward ran before the peak's
     if layout.fp32_grad_accum and layout.precision == "bf16":  # the Megatron-LM convention
         by = lambda level: n if layout.zero >= level else 1
-        return _Static(2 / by(3), 0.0, 4 / by(2), 4 / by(1), 8 / by(1), False, layout.zero == 3 and n > 1, True)
+        return _Static(2 / by(3), 0.0, 4 / by(2), 4 / by(1), 8 / by(1), False, layout.zero == 3 and n > 1, True, True)
     if wrapper == "fsdp":
         # torch's pipeline stages keep FSDP from resharding after backward until the step's last
         # micro-batch, so under pp ZeRO-3's parameters stay gathered too
@@ -224,10 +264,19 @@ def _static(layout: Layout) -> _Static:
         # gradient sync is off but on a step's last micro-batch (the data axis' no-sync, or the
         # stages'), so FSDP2 accumulates each unsharded gradient, in fp32 (its reduce dtype), until then
         accumulated = 4.0 if n > 1 and (layout.grad_accum > 1 or layout.pp > 1) else 0.0
-        return _Static(4 / n + gathered, 4 / n, accumulated, 0.0, 8 / n, False, not held, False)
+        # the trainer zeroes gradients to None; FSDP2 makes the sharded ones in the last micro-batch's
+        # reduce-scatter, after backward's peak (unsharded, its gradients are the accumulated ones).
+        # Under pp torch's stages reduce once all micro-batches ran backward, a moment with the
+        # accumulation, the sharded gradients and the reduce-scatter's buffers but no activations, which
+        # this does not price: counting the gradients at backward's peak stands in for it (`ultratron
+        # simulate`, llama3-1b dp2 tp2 pp2 cp2, first rank: measured 4.95 GiB, planned 4.70 with them,
+        # 4.30 without)
+        return _Static(4 / n + gathered, 4 / n, accumulated, 0.0, 8 / n, False, not held, False,
+                       (n == 1 and earlier) or layout.pp > 1, False)
     sharded = n if wrapper == "ddp" and layout.zero == 1 else 1
     fused = wrapper in ("none", "ddp") and sharded == 1 and layout.tp == 1
-    return _Static(4.0, 4.0, 0.0, 0.0, 8 / sharded, wrapper == "ddp", False, fused)
+    # DDP's buckets stay from step to step; one process's gradients exist once an earlier micro-batch made them
+    return _Static(4.0, 4.0, 0.0, 0.0, 8 / sharded, wrapper == "ddp", False, fused, wrapper == "ddp" or earlier)
 
 
 def _stage_items(shape, layout: Layout, stage: int, layers: int, n_stages: int,
@@ -296,18 +345,11 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
         comm += 2 * p * tokens * 2 * kv / t
     all_to_all = all_to_all_buffer_bytes(shape, tokens, p, layout.ep)
     comm += all_to_all
-    optimizer_temporaries = 0.0 if st.fused_adam else 4 * term("optimizer_states") / 8
-    bucket_rebuild = 4 * sharded if st.ddp_buckets else 0.0
-    between_steps = max(optimizer_temporaries, bucket_rebuild)
-    working = activations + loss_logits + transient
-    if between_steps > working:
-        # The optimizer step, or DDP's bucket rebuild before the next forward, runs while no
-        # activations are alive: it sets the peak instead.
-        transient = between_steps - activations - loss_logits
-
     per_op = model == "per-op"
     static = {name: term(name) for name in ("parameters", "gradients", "grad_accum_buffer", "master_weights",
                                             "optimizer_states")}
+    alive = lambda s: s.gradients * s.backward_gradients
+    backward_gradients = sharded * alive(st) + experts * alive(se)
     adapters = 0.0
     if lora is not None:
         # LoRA: the model's own weights are frozen — their parameters only, no gradients, no
@@ -315,12 +357,21 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
         adapters = adapter_params_per_layer(shape, *lora, tp=t) * sum(where.layers)
         static = {name: adapters * getattr(st, name) for name in static}
         static["parameters"] += sharded * st.parameters + experts * se.parameters
+        backward_gradients = adapters * alive(st)
+    # the optimizer step (of what it trains), or DDP's bucket rebuild before the next forward, runs while
+    # no activations are alive; MemoryBreakdown.peak_bytes takes the larger of it and backward's peak
+    optimizer_temporaries = 0.0 if st.fused_adam else 4 * static["optimizer_states"] / 8
+    bucket_rebuild = 4 * (adapters if lora is not None else sharded) if st.ddp_buckets else 0.0
+    between_steps = max(optimizer_temporaries, bucket_rebuild)
     return MemoryBreakdown(
         **static,
         activations=activations,
         loss_logits=loss_logits,
         comm_buffers=comm,
         transient=max(transient, 0.0),
+        backward_gradients=backward_gradients,
+        step_temporaries=between_steps,
+        accum_at_step=st.accum_at_step,
         stage=where.name,
         extra={"params_on_gpu": params, "pp_rank": where.rank, "stages": where.stages,
                "layers_on_stage": sum(where.layers), "layers_per_stage": where.layers,
