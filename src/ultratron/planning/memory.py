@@ -55,9 +55,10 @@ Peak: the larger of two moments (`MemoryBreakdown.peak_moment`).
   bytes; `backward_gradients` those alive then): the trainer zeroes them to None, FSDP2 makes its
   sharded gradients in the last micro-batch's reduce-scatter, so none of them (under pp, where the
   stages reduce after all micro-batches, they stay counted: they stand in for that moment's
-  accumulation, gradients and reduce-scatter buffers, see `_static`); one process's exist once an earlier micro-batch made them (grad_accum > 1 or
-  pp > 1); DDP's are views of buckets that stay, so all of them. Measured by `ultratron simulate`
-  (Llama-3 8B, seq 4096, mb 1, bf16, dp 8, ZeRO-3: the peak at backward's start without gradients).
+  accumulation, gradients and reduce-scatter buffers, see `_static`); one process's exist once an
+  earlier micro-batch made them (grad_accum > 1 or pp > 1); DDP's are views of buckets that stay, so
+  all of them. Measured by `ultratron simulate` (Llama-3 8B, seq 4096, mb 1, bf16, dp 8, ZeRO-3: the
+  peak at backward's start without gradients).
   The optimizer step's (`step_bytes`): static with every gradient (but FSDP2's unsharded
   accumulation, freed by the reduce-scatter that makes them) + communication buffers +
   `step_temporaries`, no activations: torch's foreach AdamW (sharded or DTensor parameters)
