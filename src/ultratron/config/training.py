@@ -19,7 +19,7 @@ from ultratron.config.loader import (
     did_you_mean,
     read_toml,
 )
-from ultratron.config.training_rules import fp8_problems, profile_problems, ramp_problems
+from ultratron.config.training_rules import document_problems, fp8_problems, profile_problems, ramp_problems
 from ultratron.data.mixture_spec import parse_mixture
 from ultratron.errors import ConfigError
 from ultratron.fields import option, take_fields, taken_from
@@ -343,19 +343,6 @@ def rope_scaling_problems(m: ModelConfig) -> list[str]:
     return p
 
 
-def document_problems(cfg: Config) -> list[str]:
-    """What document masking and loss-masked targets (chat) do not yet compose with."""
-    par, data, p = cfg.parallel, cfg.data, []
-    settings = f"data.document_masking={data.document_masking}, data.format={data.format}"
-    if par.cp > 1 and par.pp > 1 and (data.documents or data.format == "chat"):
-        p.append(f"document masking or chat data ({settings}) does not yet work with both parallel.cp={par.cp} and "
-                 f"parallel.pp={par.pp} (the pipeline loss does not weight cp shards by counted targets); use one")
-    if par.cp > 1 and data.documents and cfg.training.device == "cuda":
-        p.append(f"document masking ({settings}) with parallel.cp={par.cp} runs on CPU only so far (the CUDA "
-                 "kernel's attention bias is not wired in); use cp=1, training.device=cpu or data.document_masking=off")
-    return p
-
-
 def validate(cfg: Config) -> None:
     m, t, par, o = cfg.model, cfg.training, cfg.parallel, cfg.optim
     p = choice_problems(cfg)
@@ -371,8 +358,7 @@ def validate(cfg: Config) -> None:
         lower = max(micro, t.batch_tokens // micro * micro)
         p.append(f"training.batch_tokens={t.batch_tokens} is not divisible by micro_batch_size × seq_len × dp = "
                  f"{t.micro_batch_size} × {t.seq_len} × {par.dp} = {micro}; try {lower} or {lower + micro}")
-    p += ramp_problems(cfg, micro, p) + profile_problems(t.profile_steps) + fp8_problems(cfg)
-    p += document_problems(cfg)
+    p += ramp_problems(cfg, micro, p) + profile_problems(t.profile_steps) + fp8_problems(cfg) + document_problems(cfg)
     if cfg.lora.rank > 0:
         if not m.init_from:
             p.append("lora.rank > 0 trains adapters on a model's own weights: give the model with "

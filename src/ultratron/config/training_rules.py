@@ -74,3 +74,16 @@ def fp8_problems(cfg) -> list[str]:
     if t.cpu_linear != "aten":
         p.append("training.precision=fp8 converts torch's own linear layers; use training.cpu_linear=aten")
     return p
+
+
+def document_problems(cfg) -> list[str]:
+    """What document masking and loss-masked targets (chat) do not yet compose with."""
+    par, data, p = cfg.parallel, cfg.data, []
+    settings = f"data.document_masking={data.document_masking}, data.format={data.format}"
+    if par.cp > 1 and par.pp > 1 and (data.documents or data.format == "chat"):
+        p.append(f"document masking or chat data ({settings}) does not yet work with both parallel.cp={par.cp} and "
+                 f"parallel.pp={par.pp} (the pipeline loss does not weight cp shards by counted targets); use one")
+    if par.cp > 1 and data.documents and cfg.training.device == "cuda":
+        p.append(f"document masking ({settings}) with parallel.cp={par.cp} runs on CPU only so far (the CUDA "
+                 "kernel's attention bias is not wired in); use cp=1, training.device=cpu or data.document_masking=off")
+    return p

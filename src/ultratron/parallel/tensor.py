@@ -55,7 +55,7 @@ def _gather_logits_in_eval(module: nn.Module, args, output):
 _WEIGHT_DIM = {"lora_a": 1, "lora_b": 0}
 
 
-def _parallelize(module: nn.Module, mesh, styles: dict) -> None:
+def _parallelize_keeping_adapters(module: nn.Module, mesh, styles: dict) -> None:
     """`parallelize_module`, with the LoRA adapters of its linear layers split along the dim their
     layer's weight is split along (module docstring). They are set aside meanwhile: a column-parallel
     style would split every parameter of its layer along dim 0, A's rank too. A frozen parameter
@@ -183,8 +183,10 @@ def _keep_shards(plan: dict) -> tuple[dict, list[str]]:
 
 
 def _parallelize(module: nn.Module, mesh, plan: dict) -> None:
+    """`plan` applied with its sequence all-gathers keeping only the shard (`_keep_shards`) and LoRA's
+    adapters split as their layer (`_parallelize_keeping_adapters`)."""
     plan, colwise = _keep_shards(plan)
-    parallelize_module(module, mesh, plan)
+    _parallelize_keeping_adapters(module, mesh, plan)
     for name in colwise:
         KeepSequenceShard()._apply(module.get_submodule(name), mesh)
 
