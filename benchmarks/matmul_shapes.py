@@ -12,7 +12,8 @@ the whole s×s square, as Megatron-LM and PaLM's MFU do), so its "efficiency" is
 planner's compute term needs, though a causal kernel does half that work.
 --models also times ultratron's Llama forward + backward (bf16 weights, one GPU, no optimizer)
 for the 8B and for one tp=8 rank of the 70B and the 8B, emulated by their per-rank shapes (heads,
-kv heads, FFN and vocabulary divided by 8), and prints the planner's prediction beside each.
+kv heads, FFN and vocabulary divided by 8), and prints the planner's prediction beside each
+(products, attention and the elementwise kernels).
 """
 
 from __future__ import annotations
@@ -81,10 +82,11 @@ MODELS = (  # name, layers, dim, heads, kv heads, ffn, seq, micro-batch, vocab, 
 def models(device: str, repeat: int) -> list[dict]:
     from ultratron.models.llama.model import Llama, LlamaArgs
     from ultratron.models.presets import ModelShape
-    from ultratron.planning.compute import compute_efficiency
+    from ultratron.planning.compute import compute_efficiency, elementwise_bytes
     from ultratron.planning.flops import flops_per_token_of
     from ultratron.planning.hardware import find_accelerator
     from ultratron.planning.layout import Layout
+    from ultratron.planning.memory import estimate_memory
 
     acc = find_accelerator(torch.cuda.get_device_name()) if device == "cuda" else None
     rows = []
@@ -104,10 +106,14 @@ def models(device: str, repeat: int) -> list[dict]:
                            tie_embeddings=False, rope_theta=5e5, max_seq_len=seq, head_dim=head_dim)
         flops = flops_per_token_of(shape, seq)
         row = {"name": name, "seconds": seconds, "tokens_per_s": mbs * seq / seconds}
-        if acc is not None:
+        if acc is not None:  # as the planner prices a step: products and attention, then the elementwise kernels
             peak = acc.flops["bf16"]
-            row["predicted_tokens_per_s"] = compute_efficiency(shape, Layout(micro_batch_size=mbs, seq_len=seq),
-                                                               peak, acc.memory_bw) * peak / flops
+            compute = mbs * seq * flops / (compute_efficiency(shape, Layout(micro_batch_size=mbs, seq_len=seq),
+                                                              peak, acc.memory_bw) * peak)
+            # bf16 weights and stream, as FSDP2's mixed precision runs them (the layout only sets the dtypes)
+            bf16 = Layout(dp=2, zero=3, micro_batch_size=mbs, seq_len=seq)
+            elementwise = elementwise_bytes(shape, bf16, estimate_memory(shape, bf16))[0] / acc.memory_bw
+            row["predicted_tokens_per_s"] = mbs * seq / (compute + elementwise)
         rows.append(row)
         print(row, flush=True)
         del model

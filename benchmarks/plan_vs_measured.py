@@ -51,7 +51,7 @@ LOCAL = {  # name: the sweep's layout words (4 processes; the tiny model's batch
 # with the file's 2.4 TB/s in place of the SXM's HBM3 3.35 TB/s; and torchtitan's selective
 # checkpointing as its default `selective_ac_option = "op"` runs it — the outputs of matmuls,
 # attention and reduce-scatters kept except every second matmul's, so about half of each block's
-# matmul forward and its elementwise ops run again — modelled as our selective recompute (norms and
+# matmul forward and its elementwise ops run again — modelled as our selective recompute (norms, rotary and
 # SwiGLU again) plus half the layers' matmul forward FLOPs at the layout's compute rate
 # (`titan_op_sac_s`).
 TITAN_HBM = 2.4e12

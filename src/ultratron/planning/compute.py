@@ -18,10 +18,12 @@ docs/planning.md:
     does not pay: 5 µs (a kernel launch) is kept.
   - whole models forward + backward (`--models`: ultratron's Llama, 8B at seq 8192 and at 4 × 2048,
     and one tp=8 rank of the 70B and of the 8B, emulated by their per-rank shapes): inside a model
-    the same products run slower than alone, and the one constant 0.645 (the geometric-mean fit over
-    these five runs, not per layout) predicts their tokens/s at 1.20, 1.16, 0.93, 0.89 and 0.92 × the
-    measured. The whole 8B's 0.575 of peak stays over-predicted by a fifth (its large products run
-    slower inside the model than alone; not explained yet).
+    the same products run slower than alone. With each model's step priced as the planner prices it,
+    products and attention plus the elementwise kernels (`elementwise_bytes`, at the HBM bandwidth),
+    the one constant 0.575 (the geometric-mean fit over these five runs, not per layout) predicts
+    their tokens/s at 0.93, 0.89, 0.98, 1.03 and 1.17 × the measured. (It was 0.645 while the fit
+    priced the products and attention alone and counted attention over the model width instead of
+    heads × head dim, which the emulated ranks' shapes separate: their ratios then ran 0.89–1.20.)
 
 Attention. Fused causal attention (PyTorch's `scaled_dot_product_attention`, forward + backward,
 32 heads of 128) measured on the same H200, as the rate of the *model* FLOPs the planner counts
@@ -34,10 +36,11 @@ from __future__ import annotations
 
 import math
 
+from ultratron.planning.activations import dtypes_of, layer_matmul_params
 from ultratron.planning.experts import is_moe, moe_layer_share
 from ultratron.planning.rules import expert_ffn_dim_of, field_of, head_dim_of
 
-MATMUL_EFFICIENCY = 0.645
+MATMUL_EFFICIENCY = 0.575
 MATMUL_OVERHEAD_S = 5e-6
 # (sequence a rank attends over, model-FLOP rate / dense peak): benchmarks/matmul_shapes.py on H200
 ATTENTION_EFFICIENCY = ((512, 0.023), (1024, 0.192), (2048, 0.425), (4096, 0.631), (8192, 0.908),
@@ -107,48 +110,77 @@ def compute_efficiency(shape, layout, peak: float, hbm: float, efficiency: float
     return flops / seconds / peak
 
 
-# Elementwise work: the passes over memory that are not matmuls or attention, each running at the
-# memory bandwidth (bytes / HBM bytes/s; a CPU's: what `ultratron bench comm` measured). Counted per
-# token and layer, in elements of the compute dtype, for PyTorch's eager kernels (each reads its
-# inputs and writes its output once):
-#   2 RMSNorms        read x, write y                     2 × 2·h'
-#   2 residual adds   read two, write one                 2 × 3·h'
-#   rotary on q and k read, write                         2·(q + kv)/t
-#   SwiGLU            silu(gate): read f, write f; × up: read 2f, write f   5·f/t
-# (h' = h/t under sequence parallelism, else h; a mixture of experts' layers run k routed slots of
-# the expert width and the shared experts in place of f). Backward reads the saved inputs and the
-# incoming gradient and writes the input gradients: twice the forward's traffic; full recompute runs
-# the forward's again, selective its norms and SwiGLU. The loss on the rank holding the head: 6
-# passes over the V/t fp32 logits per token (the upcast written, log-softmax read and written, its
-# backward read and written, the gradient cast back). The optimizer step reads every byte of the
-# rank's model states and writes all but the gradients (AdamW: master, two moments, the compute
-# copy); each micro-batch after the first reads and writes the accumulated gradients.
+# Elementwise work: the passes over memory that are not matmuls or attention, each at the memory
+# bandwidth (bytes / HBM bytes/s; a CPU's: what `ultratron bench comm` measured). Counted as the
+# eager kernels of `models/llama` run them, each reading its inputs and writing its output once, in
+# bytes per token and layer, forward | backward (r, p: bytes of the residual stream and of matmul
+# outputs, `planning.activations.dtypes_of`; h' = h/t under sequence parallelism, else h; q, kv, f
+# the query, key-value and FFN widths split by t):
+#   2 RMSNorms     fp32: x², its mean, x·rsqrt, ·weight: 28·h' | their gradients (g·weight, the
+#                  weight's g·x̂ summed over tokens, the two of x·rsqrt, the square's, their sum;
+#                  eight kernels): 92·h'; a bf16 stream
+#                  adds the upcast and the downcast, 12·h' each way
+#   2 residuals    (2r + p)·h' each | the residual gradient accumulated, 3r·h' each, and cast to
+#                  the branch's dtype, (r + p)·h' each, when r ≠ p
+#   rotary q, k    the complex product 8·(q + kv) | 10·(q + kv); + 12·(q + kv) each way for the
+#                  upcast and downcast when p = 2
+#   SwiGLU         silu(gate), × up: 5p·f | 9p·f
+#   matmul inputs  under autocast over an fp32 stream each of the 5 column-parallel matmuls casts
+#                  its input (6·h each way; under sequence parallel 2 casts of the shard, 6·h/t);
+#                  backward sums the 3 + 2 input gradients, 3 adds of 3·(4 if cast else r)·h
+#   attention      fp32 on a CPU under bf16 (`attention_fp32`): q, k, v and the output cast, 6·(2q + 2kv)
+# Checked against the trainer's own kernels (every non-matmul aten op of a block, counted by
+# `tests/planning/test_plan_compute.py`). Autocast also casts each matmul weight once per
+# micro-batch (6 bytes a parameter forward and again backward). Backward's traffic follows; full
+# recompute runs the forward's again, selective its norms, rotary, SwiGLU and casts. The loss on the
+# rank holding the head: 6 passes over the V/t fp32 logits per token (the upcast written, log-softmax
+# read and written, its backward read and written, the gradient cast back). The optimizer step reads
+# every byte of the rank's model states and writes all but the gradients (AdamW: master, two moments,
+# the compute copy); each micro-batch after the first reads and writes the accumulated gradients.
 LOSS_PASSES = 6
 
 
-def layer_elementwise_elements(shape, layout) -> dict[str, float]:
-    """Elements one token moves through the forward's elementwise kernels of one average layer, by kind."""
-    t = layout.tp
-    h = shape.dim / t if layout.sp and t > 1 else shape.dim
+def layer_elementwise_bytes(shape, layout) -> dict[str, tuple[float, float]]:
+    """(forward, backward) bytes one token moves through the elementwise kernels of one average layer,
+    by kind (comment above)."""
+    dt = dtypes_of(layout)
+    r, p, t = dt.residual, dt.compute, layout.tp
+    sp = layout.sp and t > 1
+    h = shape.dim
+    hs = h / t if sp else h
     hd = head_dim_of(shape)
-    q, kv = shape.n_heads * hd, shape.n_kv_heads * hd
+    q, kv = shape.n_heads * hd / t, shape.n_kv_heads * hd / t
     moe = moe_layer_share(shape) if is_moe(shape) else 0.0
     f = (1 - moe) * shape.ffn_dim
     if moe:
         f += moe * expert_ffn_dim_of(shape) * (field_of(shape, "n_active_experts")
                                                + (field_of(shape, "n_shared_experts") or 0))
-    return {"norms": 4 * h, "residual": 6 * h, "rotary": 2 * (q + kv) / t, "swiglu": 5 * f / t}
+    f /= t
+    updown = 12 if r < 4 else 0
+    rope_casts = 12 if p < 4 else 0
+    cast_in = (2 * 6 * h / t if sp else 5 * 6 * h) if dt.casts else 0.0
+    out = {"norms": (2 * hs * (28 + updown), 2 * hs * (92 + updown)),
+           "residual": (2 * (2 * r + p) * hs, 2 * 3 * r * hs + (2 * (r + p) * hs if r != p else 0)),
+           "rotary": ((q + kv) * (8 + rope_casts), (q + kv) * (10 + rope_casts)),
+           "swiglu": (5 * p * f, 9 * p * f),
+           "casts": (cast_in, cast_in + 3 * 3 * (4 if dt.casts else r) * h)}
+    if layout.precision != "fp32" and layout.attention_fp32:
+        out["attention"] = (6 * (2 * q + 2 * kv),) * 2
+    return out
 
 
 def elementwise_bytes(shape, layout, memory) -> tuple[float, float]:
     """(bytes of one micro-batch's elementwise work, bytes of the optimizer step) on the rank whose
     memory breakdown is `memory` (its layers, its head, its model states): see the comment above."""
-    per_layer = layer_elementwise_elements(shape, layout)
-    forward = sum(per_layer.values())
-    again = {"none": 0.0, "selective": per_layer["norms"] + per_layer["swiglu"], "full": forward}[layout.recompute]
+    per_layer = layer_elementwise_bytes(shape, layout)
+    again = {"none": (), "selective": ("norms", "rotary", "swiglu", "casts"),
+             "full": tuple(per_layer)}[layout.recompute]
+    per_token = sum(f + b for f, b in per_layer.values()) + sum(per_layer[kind][0] for kind in again)
     tokens = layout.micro_batch_size * layout.seq_len / layout.cp
     layers = memory.extra.get("layers_on_stage", shape.n_layers)
-    micro = tokens * layers * (3 * forward + again) * layout.compute_bytes
+    micro = tokens * layers * per_token
+    if dtypes_of(layout).casts:  # autocast's copy of each matmul weight: forward (again under recompute), backward
+        micro += layers * layer_matmul_params(shape, layout.tp) * 6 * (3 if layout.recompute != "none" else 2)
     if memory.loss_logits:  # the rank holds the head
         micro += tokens * LOSS_PASSES * 4 * shape.vocab_size / layout.tp
     optimizer = 2 * memory.static_bytes - memory.gradients + 2 * (layout.grad_accum - 1) * memory.gradients

@@ -38,7 +38,7 @@ from ultratron.planning.memory import GiB, MemoryBreakdown, estimate_memory
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import LOOPED, SCHEDULES, SINGLE, stage_costs, stage_ranks, stage_split
 from ultratron.planning.pipeline import bubble_fraction as bubble_fraction_of
-from ultratron.planning.rules import layout_problems, pipeline_problems
+from ultratron.planning.rules import head_dim_of, layout_problems, pipeline_problems
 
 SELECTIVE_RECOMPUTE_OVERHEAD = 0.02
 
@@ -244,7 +244,7 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     hardware_factor = {"none": 1.0, "selective": 1.0 + SELECTIVE_RECOMPUTE_OVERHEAD, "full": 4 / 3}[
         layout.recompute]
     tokens = spec.global_batch_tokens
-    h = shape.dim
+    width = shape.n_heads * head_dim_of(shape)  # attention's
     efficiency = compute_efficiency(shape, layout, peak, acc.memory_bw, spec.efficiency, acc.attention_table,
                                     bf16_peak=acc.flops.get("bf16"))
     imbalance = stage_imbalance(shape, layout)
@@ -258,7 +258,7 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     per_micro = compute / m
 
     collectives = step_collectives(shape, layout, memory, network_of(spec))
-    attention_share = 12 * shape.n_layers * h * layout.seq_len / model_flops_per_token
+    attention_share = 12 * shape.n_layers * width * layout.seq_len / model_flops_per_token
     overlap = 0.0 if acc.comm_uses_cores else spec.overlap  # gloo's threads need the cores compute runs on
     budgets = {LAST_BACKWARD: overlap * per_micro * 2 / 3, COMPUTE: overlap * compute,
                ATTENTION: overlap * compute * attention_share}

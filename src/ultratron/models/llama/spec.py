@@ -15,7 +15,9 @@ FLOPs. Source: Ultra-Scale Playbook and Chowdhery et al. 2022 (PaLM, appendix B)
 token ≈ 6·N + 12·L·h·s, where N counts every weight that takes part in a matmul (here: all parameters
 except the input embedding, which is a lookup, but including the output projection even when tied)
 and 12·L·h·s covers the attention scores and weighted sum (forward 4·L·h·s, backward twice that),
-counted without the causal halving as is customary. Forward is ≈ 1/3 of it, backward ≈ 2/3. A
+counted without the causal halving as is customary. h there is the attention's width, heads × head
+dim (PaLM writes 12·L·H·Q·T), which is the model width for Llama's own shapes but not for a model
+with a wider head (Qwen3-30B-A3B: 32 × 128 over a width of 2,048). Forward is ≈ 1/3 of it, backward ≈ 2/3. A
 mixture of experts counts its active parameters only — the router, each token's k routed experts and
 the shared ones (DeepSeek-AI 2024 quotes its FLOPs per token so) —, since a token never touches the
 other experts.
@@ -90,14 +92,16 @@ def matmul_params(counts: ParamCounts, vocab_size: int, dim: int) -> int:
 
 
 def training_flops_per_token(counts: ParamCounts, *, vocab_size: int, dim: int, n_layers: int,
-                             seq_len: int) -> float:
-    return 6.0 * matmul_params(counts, vocab_size, dim) + 12.0 * n_layers * dim * seq_len
+                             seq_len: int, attention_width: int | None = None) -> float:
+    """`attention_width`: heads × head dim (None: `dim`, the two equal in Llama's shapes)."""
+    return 6.0 * matmul_params(counts, vocab_size, dim) + 12.0 * n_layers * (attention_width or dim) * seq_len
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
     """Training FLOPs per token of a model with these fields at this sequence length."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.dim // cfg.n_heads
     return training_flops_per_token(count_params_of(cfg), vocab_size=cfg.vocab_size, dim=cfg.dim,
-                                    n_layers=cfg.n_layers, seq_len=seq_len)
+                                    n_layers=cfg.n_layers, seq_len=seq_len, attention_width=cfg.n_heads * head_dim)
 
 
 SPEC = PlanningSpec(count_params=count_params_of, flops_per_token=flops_per_token)
