@@ -59,6 +59,9 @@ class _GatherOnly:
 
 
 class _Call(nn.Module):
+    """`inner` under a module of its own, which carries `input_reshard`'s hooks (they fire on every
+    call), so that `_Option` can run `inner` without them."""
+
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
