@@ -1,6 +1,6 @@
 """Activation memory under tensor and sequence parallelism, measured beside `plan memory`.
 
-  python benchmarks/activation_memory.py [--cpu-only | --simulate-only] [--tp 1,2,4,8]
+  python benchmarks/activation_memory.py [--cpu-only | --simulate-only | --shard-options] [--tp 1,2,4,8]
 
 CPU shape (fp32, gloo processes, `tests/distributed/dist_jobs.measure_step_memory`): the bytes one
 transformer block keeps for backward at tp 1/2/4/8, with and without sequence parallel, with and
@@ -11,6 +11,9 @@ and, with sequence parallel, the ratio to one process's divided by tp.
 micro-batch 1, bf16, ZeRO-3, no recomputation, dp8 × tp (sequence parallel when tp > 1): each
 rank's measured peak beside `plan memory`'s, and the activations at the peak against tp1's / tp.
 Llama-3 8B has 8 kv heads, so tp 16 and 32 run it with n_kv_heads = n_heads = 32 (labelled).
+
+`--shard-options` (CPU shape, tp+sp, tp 2 and 4 unless --tp says): the ways to keep only the sequence
+shard of the column-parallel layers' input side by side (`keep_shard_options.py`).
 """
 
 from __future__ import annotations
@@ -111,9 +114,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu-only", action="store_true")
     parser.add_argument("--simulate-only", action="store_true")
+    parser.add_argument("--shard-options", action="store_true")
     parser.add_argument("--tp", help="comma list (CPU: of 1, 2, 4, 8; simulate: of 1, 2, 4, 8, 16, 32)")
     args = parser.parse_args()
     chosen = [int(x) for x in args.tp.split(",")] if args.tp else None
+    if args.shard_options:
+        from keep_shard_options import compare
+
+        with tempfile.TemporaryDirectory() as cache:
+            compare(chosen or [2, 4], CPU_SHAPE + ["--data.cache_dir", cache])
+        return 0
     if not args.simulate_only:
         with tempfile.TemporaryDirectory() as cache:
             cpu_shape(chosen or [1, 2, 4, 8], cache)

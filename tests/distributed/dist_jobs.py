@@ -180,42 +180,48 @@ def _document_logits_errors(documents, group, cp_rank: int, mode: str) -> dict:
 
 
 def measure_step_memory(base: list[str], layouts: list[list[str]], out_dir: str) -> None:
-    """For each layout: the bytes this rank's second micro-batch of a step leaves alive after its
-    forward (`parallel.memory.LiveTensors`: every tensor ops created, gloo's outputs included), the
-    token ids and targets added ("step"), and of those the bytes the second block created ("layer");
-    written to out_dir/rank<r>.json, one entry per layout."""
+    """For each layout, `micro_batch_memory` of a trainer built for it, written to
+    out_dir/rank<r>.json, one entry per layout."""
     import json
     from pathlib import Path
 
     import torch.distributed as dist
 
     from ultratron.config import load_config
-    from ultratron.parallel.memory import LiveTensors
-    from ultratron.training.loss import cross_entropy
-    from ultratron.training.precision import autocast
     from ultratron.training.trainer import Trainer
 
     results = []
     for i, flags in enumerate(layouts):
         trainer = Trainer(load_config(None, base + flags + ["--run.dir", f"{out_dir}/layout{i}"]), echo=False)
-        model, axes, device, precision = trainer.model, trainer.axes, trainer.device, trainer.cfg.training.precision
-        block = next(module for name, module in model.named_modules() if name.endswith("layers.1"))
-        inputs, targets = trainer.train_loader.next_batch()
-        for _ in range(2):  # the first micro-batch allocates the gradients; the second is measured
-            with axes.step_context(training=True), axes.micro_batch_context(last=False):
-                layer = LiveTensors(model)
-                hooks = layer.during(block)
-                with LiveTensors(model) as meter:
-                    with autocast(precision, device):
-                        logits = model(inputs)
-                    loss, _ = cross_entropy(logits, targets)
-                alive = {"step": meter.alive() + (inputs.numel() + targets.numel()) * 8, "layer": layer.alive()}
-                for hook in hooks:
-                    hook.remove()
-                loss.backward()
-            del logits, loss
-        results.append(alive)
+        results.append(micro_batch_memory(trainer))
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+
+
+def micro_batch_memory(trainer) -> dict[str, int]:
+    """The bytes this rank's second micro-batch of a step leaves alive after its forward
+    (`parallel.memory.LiveTensors`: every tensor ops created, gloo's outputs included), the token ids
+    and targets added ("step"), and of those the bytes the second block created ("layer")."""
+    from ultratron.parallel.memory import LiveTensors
+    from ultratron.training.loss import cross_entropy
+    from ultratron.training.precision import autocast
+
+    model, axes, device, precision = trainer.model, trainer.axes, trainer.device, trainer.cfg.training.precision
+    block = next(module for name, module in model.named_modules() if name.endswith("layers.1"))
+    inputs, targets = trainer.train_loader.next_batch()
+    for _ in range(2):  # the first micro-batch allocates the gradients; the second is measured
+        with axes.step_context(training=True), axes.micro_batch_context(last=False):
+            layer = LiveTensors(model)
+            hooks = layer.during(block)
+            with LiveTensors(model) as meter:
+                with autocast(precision, device):
+                    logits = model(inputs)
+                loss, _ = cross_entropy(logits, targets)
+            alive = {"step": meter.alive() + (inputs.numel() + targets.numel()) * 8, "layer": layer.alive()}
+            for hook in hooks:
+                hook.remove()
+            loss.backward()
+        del logits, loss
+    return alive
 
 
 def train_joining_the_group_itself(base: list[str], out_dir: str) -> None:

@@ -19,7 +19,13 @@ from ultratron.config.loader import (
     did_you_mean,
     read_toml,
 )
-from ultratron.config.training_rules import document_problems, fp8_problems, profile_problems, ramp_problems
+from ultratron.config.training_rules import (
+    compile_problems,
+    document_problems,
+    fp8_problems,
+    profile_problems,
+    ramp_problems,
+)
 from ultratron.data.mixture_spec import parse_mixture
 from ultratron.errors import ConfigError
 from ultratron.fields import option, take_fields, taken_from
@@ -93,8 +99,8 @@ class TrainingConfig:
     grad_clip: float = option(1.0, "global-norm clipping; 0 disables (the norm is still logged)")
     z_loss: float = option(0.0, "PaLM z-loss coefficient (1e-4 in Chowdhery et al. 2022); 0 disables")
     seed: int = option(0, "seeds the weights, the data order and sampling")
-    compile: bool = option(False, "torch.compile each transformer block (after recompute, before FSDP/DDP); "
-                                  "docs/performance.md")
+    compile: bool = option(False, "torch.compile each transformer block (after recompute, before FSDP/DDP; not "
+                                  "yet with tp); docs/performance.md")
     cpu_linear: str = option("aten", "fp32 linear layers on a CPU: aten (torch's own), or opt in to onednn (oneDNN's "
                                      "matmul, up to 2x torch's MKL sgemm on AMD CPUs; refused with the reason where "
                                      "it cannot run); docs/performance.md", choices=("aten", "onednn"))
@@ -359,6 +365,7 @@ def validate(cfg: Config) -> None:
         p.append(f"training.batch_tokens={t.batch_tokens} is not divisible by micro_batch_size × seq_len × dp = "
                  f"{t.micro_batch_size} × {t.seq_len} × {par.dp} = {micro}; try {lower} or {lower + micro}")
     p += ramp_problems(cfg, micro, p) + profile_problems(t.profile_steps) + fp8_problems(cfg) + document_problems(cfg)
+    p += compile_problems(cfg)
     if cfg.lora.rank > 0:
         if not m.init_from:
             p.append("lora.rank > 0 trains adapters on a model's own weights: give the model with "

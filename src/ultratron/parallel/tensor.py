@@ -12,11 +12,13 @@ along its columns and keeps B whole, and B A x is then a partial sum like W x, w
 own reduction (all-reduce, or reduce-scatter under sequence parallel) sums with it: the adapter's
 hook runs before the one `parallelize_module` adds.
 
-Under sequence parallelism a column-parallel layer's input is all-gathered along the sequence, and
-autograd would keep the gathered (whole-sequence) tensor for the weight gradient. `KeepSequenceShard`
-does the gather instead and keeps only this rank's shard for backward, which all-gathers it again
-(Korthikanti et al. 2022 §4.2.2, as Megatron-LM does): every tensor a block saves is then 1/tp.
-docs/parallel.md says why saved-tensor hooks and not a checkpoint policy.
+Under sequence parallelism a column-parallel layer's input (and a mixture of experts' layer's, whose
+router and experts take every token) is all-gathered along the sequence, and autograd would keep the
+gathered (whole-sequence) tensor for the weight gradient. `KeepSequenceShard` does the gather instead
+and keeps only this rank's shard for backward, which all-gathers it again (Korthikanti et al. 2022
+§4.2.2, as Megatron-LM does): every tensor a dense block saves is then 1/tp (a MoE layer's routed
+slots stay whole: docs/parallel.md). docs/parallel.md says why saved-tensor hooks and not a
+checkpoint policy or torch's `input_reshard`.
 
 In a step (`TensorAxis`): the training loss under `loss_parallel`; tp ranks hold the same tokens,
 so nothing is averaged over them; under sequence parallelism sampling pads its context to a
@@ -36,7 +38,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ultratron.models.lora import ADAPTERS
@@ -131,8 +139,12 @@ def _in_autocast_dtype(shard: DTensor) -> DTensor:
 
 class KeepSequenceShard(ParallelStyle):
     """Before the module: all-gather its first input from sequence shards (`Shard(1)`, a DTensor or
-    this rank's local part) into a replicated DTensor; while it runs, what autograd saves of the
-    gathered tensor is kept as the shard (`_SavedShard`)."""
+    this rank's local part) into a replicated DTensor (its local tensor with `use_local_output`);
+    while it runs, what autograd saves of the gathered tensor is kept as the shard (`_SavedShard`)."""
+
+    def __init__(self, use_local_output: bool = False):
+        super().__init__()
+        self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         stack: list = []
@@ -149,7 +161,7 @@ class KeepSequenceShard(ParallelStyle):
                 hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
                 hooks.__enter__()
             stack.append(hooks)
-            return (gathered, *args[1:])
+            return (gathered.to_local() if self.use_local_output else gathered, *args[1:])
 
         def release(module, args, output):
             hooks = stack.pop()
@@ -165,30 +177,37 @@ def _gathers_sequence(layouts, desired) -> bool:
     return bool(layouts) and layouts[0] == Shard(1) and desired[0] == Replicate() and not any(layouts[1:])
 
 
-def _keep_shards(plan: dict) -> tuple[dict, list[str]]:
+def _keep_shards(plan: dict) -> tuple[dict, dict[str, KeepSequenceShard]]:
     """`plan` with each sequence all-gather before a module done by `KeepSequenceShard`: a
-    `PrepareModuleInput` that gathers is replaced; a `ColwiseParallel` that gathers takes the
-    gathered input instead, its module named in the list to get `KeepSequenceShard` as well."""
-    leaner, colwise = {}, []
+    `PrepareModuleInput` that gathers is replaced; a `PrepareModuleInputOutput` that gathers (a
+    mixture of experts' layer) keeps its output half; a `ColwiseParallel` that gathers takes the
+    gathered input instead. The last two's modules get their `KeepSequenceShard` afterwards (the
+    returned dict)."""
+    leaner, later = {}, {}
     for name, style in plan.items():
-        if (isinstance(style, PrepareModuleInput) and not style.with_kwargs and not style.use_local_output
-                and _gathers_sequence(style.input_layouts, style.desired_input_layouts)):
-            style = KeepSequenceShard()
+        inputs = style.prepare_module_input if isinstance(style, PrepareModuleInputOutput) else style
+        if (isinstance(inputs, PrepareModuleInput) and not inputs.with_kwargs
+                and _gathers_sequence(inputs.input_layouts, inputs.desired_input_layouts)):
+            keep = KeepSequenceShard(inputs.use_local_output)
+            if inputs is style:
+                style = keep
+            else:
+                later[name], style = keep, style.prepare_module_output
         elif type(style) is ColwiseParallel and _gathers_sequence(style.input_layouts, style.desired_input_layouts):
             style = ColwiseParallel(input_layouts=Replicate(), output_layouts=style.output_layouts[0],
                                     use_local_output=style.use_local_output)
-            colwise.append(name)
+            later[name] = KeepSequenceShard()
         leaner[name] = style
-    return leaner, colwise
+    return leaner, later
 
 
 def _parallelize(module: nn.Module, mesh, plan: dict) -> None:
     """`plan` applied with its sequence all-gathers keeping only the shard (`_keep_shards`) and LoRA's
     adapters split as their layer (`_parallelize_keeping_adapters`)."""
-    plan, colwise = _keep_shards(plan)
+    plan, later = _keep_shards(plan)
     _parallelize_keeping_adapters(module, mesh, plan)
-    for name in colwise:
-        KeepSequenceShard()._apply(module.get_submodule(name), mesh)
+    for name, style in later.items():
+        style._apply(module.get_submodule(name), mesh)
 
 
 class TensorAxis(Axis):
