@@ -10,7 +10,8 @@ and, with sequence parallel, the ratio to one process's divided by tp.
 `ultratron simulate` (fake tensors, one CPU process per simulated rank): Llama-3 8B, seq 4096,
 micro-batch 1, bf16, ZeRO-3, no recomputation, dp8 × tp (sequence parallel when tp > 1): each
 rank's measured peak beside `plan memory`'s, and the activations at the peak against tp1's / tp.
-Llama-3 8B has 8 kv heads, so tp 16 and 32 run it with n_kv_heads = n_heads = 32 (labelled).
+Llama-3 8B has 8 kv heads and tensor parallelism splits them, so tp 16 and 32 run it with
+n_kv_heads = n_heads = 32 (labelled "kv 32"), beside a tp1 run of that model as their base.
 
 `--shard-options` (CPU shape, tp+sp, tp 2 and 4 unless --tp says): the ways to keep only the sequence
 shard of the column-parallel layers' input side by side (`keep_shard_options.py`).
@@ -76,7 +77,7 @@ def cpu_shape(tps: list[int], cache: str) -> None:
         sys.stdout.flush()
 
 
-def _simulate_flags(tp: int) -> tuple[str, list[str]]:
+def _simulate_flags(tp: int, kv32: bool) -> tuple[str, list[str]]:
     seq = 4096
     flags = ["--model.preset", "llama3-8b", "--training.seq_len", str(seq), "--model.max_seq_len", str(seq),
              "--training.micro_batch_size", "1", "--training.batch_tokens", str(seq * 8),
@@ -84,30 +85,37 @@ def _simulate_flags(tp: int) -> tuple[str, list[str]]:
              "--training.recompute", "none"]
     if tp > 1:
         flags += ["--parallel.sp", "true"]
-    if tp > 8:  # 8 kv heads: more tp ranks need more kv heads
-        return f"8B (kv 32) dp8×tp{tp}+sp", flags + ["--model.n_kv_heads", "32"]
-    return f"8B dp8×tp{tp}" + ("+sp" if tp > 1 else ""), flags
+    layout = f"dp8×tp{tp}" + ("+sp" if tp > 1 else "")
+    if kv32:  # 8 kv heads: tp beyond 8 needs more kv heads
+        return f"8B (kv 32) {layout}", flags + ["--model.n_kv_heads", "32"]
+    return f"8B {layout}", flags
 
 
 def simulated(tps: list[int]) -> None:
+    """Each tp's row, and before the first row of a model (8 or 32 kv heads) its tp1 row, the base of
+    the last column: a tp 16 or 32 row is compared with one process of the same model."""
     from ultratron.simulate.run import simulate
 
     print(f"{'simulate, Llama-3 8B seq 4096':30} {'peak GiB':>8} {'plan GiB':>8} {'plan/peak':>9} "
-          f"{'activations GiB':>15} {'plan act. GiB':>13} {'act. × tp / tp1':>15}")
-    tp1_activations = None
+          f"{'activations GiB':>15} {'plan act. GiB':>13} {'act. × tp / tp1':>15} {'wall s':>6}")
+    tp1_activations = {}
     for tp in tps:
-        name, flags = _simulate_flags(tp)
-        rank = simulate(None, flags)["ranks"][0]
-        activations = rank["tracker"].get("activations", 0)
-        if tp == 1:
-            tp1_activations = activations
-        scaled = activations * tp / tp1_activations if tp1_activations else float("nan")
-        print(f"{name:30} {rank['peak_bytes'] / GIB:8.2f} {rank['planned_peak_bytes'] / GIB:8.2f} "
-              f"{rank['planned_peak_bytes'] / rank['peak_bytes']:9.3f} {activations / GIB:15.2f} "
-              f"{rank['planned']['activations'] / GIB:13.2f} {scaled:15.3f}")
-        print("    measured split (GiB):", {k: round(v / GIB, 2) for k, v in rank["tracker"].items()},
-              "\n    planned (GiB):", {k: round(v / GIB, 2) for k, v in rank["planned"].items()})
-        sys.stdout.flush()
+        kv32 = tp > 8
+        for each in ([1] if kv32 not in tp1_activations and tp != 1 else []) + [tp]:
+            name, flags = _simulate_flags(each, kv32)
+            result = simulate(None, flags)
+            rank = result["ranks"][0]
+            activations = rank["tracker"].get("activations", 0)
+            if each == 1:
+                tp1_activations[kv32] = activations
+            print(f"{name:30} {rank['peak_bytes'] / GIB:8.2f} {rank['planned_peak_bytes'] / GIB:8.2f} "
+                  f"{rank['planned_peak_bytes'] / rank['peak_bytes']:9.3f} {activations / GIB:15.2f} "
+                  f"{rank['planned']['activations'] / GIB:13.2f} {activations * each / tp1_activations[kv32]:15.3f} "
+                  f"{result['wall_s']:6.0f}")
+            print("    measured split (GiB):", {k: round(v / GIB, 2) for k, v in rank["tracker"].items()},
+                  "\n    planned (GiB):", {k: round(v / GIB, 2) for k, v in rank["planned"].items()},
+                  f"\n    host RSS of the rank's process: {rank['host_rss_bytes'] / GIB:.2f} GiB")
+            sys.stdout.flush()
 
 
 def main() -> int:

@@ -1,10 +1,16 @@
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 
 from ultratron.errors import UserError
 from ultratron.models.presets import PRESETS
-from ultratron.planning.activations import textbook_layer_activation_bytes
+from ultratron.planning.activations import (
+    block_backward_bytes,
+    last_stage_items,
+    loss_backward_bytes,
+    textbook_layer_activation_bytes,
+)
 from ultratron.planning.layout import Layout
 from ultratron.planning.memory import GiB, estimate_memory, estimate_memory_per_rank
 from ultratron.planning.params import count_params_of
@@ -89,6 +95,34 @@ def test_hsdp_shards_within_a_replica_group():
     assert hsdp.static_bytes > estimate_memory(LLAMA8B, Layout(dp=8, zero=3, seq_len=2048)).static_bytes
     with pytest.raises(UserError, match="dp_replicate=2 .HSDP. shards within each replica group, so it needs zero"):
         estimate_memory(LLAMA8B, Layout(dp=8, dp_replicate=2, zero=1))
+
+
+def test_zero3_gathers_a_block_only_while_one_runs_backward():
+    """FSDP2 at ZeRO-3 keeps the root (embedding, head, final norm) gathered in bf16 through the step; a
+    block and the next (its backward prefetch) only while that block runs backward, with one block's fp32
+    gradients being reduce-scattered. `ultratron simulate` (Llama-3 8B, seq 4096, dp8 × tp8 + sp) holds at
+    its peak, the loss's backward, the root's all-gather output and no block's (docs/parallel.md)."""
+    layout = Layout(dp=8, tp=8, sp=True, zero=3, seq_len=4096, precision="bf16")
+    dim = LLAMA8B.dim
+
+    def per_rank(shape):  # (the root's parameters, a block's) on a tp8 rank: the matrices split, the norms whole
+        counts = count_params_of(shape)
+        root = counts.total - shape.n_layers * counts.mean_layer
+        return (root - dim) / 8 + dim, (counts.mean_layer - 2 * dim) / 8 + 2 * dim
+
+    at_loss = estimate_memory(LLAMA8B, layout)
+    assert at_loss.comm_buffers == pytest.approx(2 * per_rank(LLAMA8B)[0], rel=1e-12)
+    assert at_loss.transient == loss_backward_bytes(LLAMA8B, layout)
+    # with a small vocabulary a block's backward is the larger moment: two blocks gathered (bf16) and one
+    # block's fp32 gradients are in its transient, on top of its own gradients in flight
+    small = dataclasses.replace(LLAMA8B, vocab_size=1024)
+    at_block = estimate_memory(small, layout)
+    head, loss = last_stage_items(small, layout)
+    freed = sum(head.values()) + loss["log-probabilities"]
+    block = per_rank(small)[1]
+    assert at_block.transient == pytest.approx(block_backward_bytes(small, layout) + (2 * 2 + 4) * block - freed,
+                                               rel=1e-12)
+    assert at_block.comm_buffers == pytest.approx(2 * per_rank(small)[0], rel=1e-12)
 
 
 def test_tensor_and_pipeline_parallel_split_the_weights():

@@ -30,10 +30,14 @@ Two estimators:
   block input, the matmul outputs p·T·(h/t + 2kv/t + 2f/t + 2h) — wo and w2 give full-width
   partial sums under tp — and attention's output and log-sum-exp; the rest (norms, RoPE, casts,
   weight copies, silu·mul) is recomputed in backward.
-  The last stage keeps the final norm, the head's input, the logits (p·T·v/t, held by the step
-  until backward), the loss's fp32 log-probabilities 4·T·v/t and the int64 targets (twice under
-  tp: loss_parallel keeps its own); the first the token ids, and under tp the embedding's partial
-  lookup and its reduced copy (under sp two sequence shards).
+  The last stage keeps the final norm, the head's input, the loss's fp32 log-probabilities
+  4·T·v/t, the int64 targets (twice under tp: loss_parallel keeps its own) and under pipeline
+  parallelism the logits p·T·v/t (torch's stage holds its output until its backward; without pp
+  the step hands them to the loss and holds no reference, and autograd saves neither them nor
+  their fp32 cast: `ultratron simulate` finds none alive at the loss's backward; with
+  training.z_loss the log-sum-exp keeps the fp32 cast, not priced here); the first the
+  token ids, and under tp the embedding's partial lookup and its reduced copy (under sp two
+  sequence shards).
 * "textbook" — Korthikanti et al. 2022 (arXiv 2205.05198), bf16, multi-head attention, 4h MLP:
   s·b·h·(34 + 5·a·s/h); TP without SP s·b·h·(10 + 24/t + 5·a·s/(h·t)); TP + SP
   s·b·h·(34 + 5·a·s/h)/t; selective recompute drops the 5·a·s/h term, full keeps 2·s·b·h (÷t with SP).
@@ -214,7 +218,7 @@ def first_stage_items(shape, layout) -> dict[str, float]:
 
 
 def last_stage_items(shape, layout, model: str = "per-op") -> tuple[dict[str, float], dict[str, float]]:
-    """(the final norm and the head's input, the loss's share: logits, log-probabilities, targets)."""
+    """(the final norm and the head's input, the loss's share: log-probabilities, targets, under pp logits)."""
     dt = dtypes_of(layout)
     tokens, h, v, t, g = _tokens(layout), shape.dim, shape.vocab_size, layout.tp, _region(layout)
     if model == "per-op":
@@ -224,8 +228,9 @@ def last_stage_items(shape, layout, model: str = "per-op") -> tuple[dict[str, fl
             head["bf16 weight copies"] = 2 * v * h / t
     else:
         head = {"final norm": 2 * dt.compute * tokens * h / g}  # its input and output
-    loss = {"logits": dt.compute * tokens * v / t, "log-probabilities": 4 * tokens * v / t,
-            "targets": 8 * tokens * (2 if t > 1 else 1)}
+    loss = {"log-probabilities": 4 * tokens * v / t, "targets": 8 * tokens * (2 if t > 1 else 1)}
+    if layout.pp > 1:  # the pipeline stage holds its output until its backward
+        loss["logits"] = dt.compute * tokens * v / t
     return head, loss
 
 

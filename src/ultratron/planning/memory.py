@@ -12,8 +12,9 @@ following what `parallel/data.py` does for the layout (`rules.data_parallel_wrap
   FSDP2 (zero 2, zero 3, and zero 0/1 whenever the trainer shards) — sharded fp32 weights 4/N,
   sharded fp32 gradients 4/N, moments 8/N; ZeRO-2 keeps each weight gathered in the compute
   dtype (2 in bf16, 4 in fp32; 1 under fp8: the fp8 weight copies `parallel/float8.py` all-gathers)
-  from forward through backward, ZeRO-3 only a block or two at a time
-  (comm_buffers: two blocks gathered, one block's gradients reduce-scattered in fp32). With more
+  from forward through backward, ZeRO-3 only the root (comm_buffers: embedding, final norm, head)
+  and, during a block's backward, two blocks, one block's gradients reduce-scattered in fp32 (in
+  its transient; at the loss's backward and the optimizer step no block is gathered). With more
   than one micro-batch a step (or under pp) gradients are reduced only on the last one, so FSDP2
   accumulates the unsharded gradients in fp32 until then (grad_accum_buffer, 4; measured by
   `ultratron simulate`), and under pp torch's stages keep ZeRO-3's parameters gathered as well.
@@ -50,15 +51,15 @@ that has a neighbour on another rank. Every pipeline rank is estimated; the heav
 
 Peak: the larger of two moments (`MemoryBreakdown.peak_moment`).
   Backward's (`backward_bytes`): static + communication buffers + activations + loss + the larger
-  transient of the loss's backward and a block's backward (its recomputed activations and the
-  gradients in flight) — less the gradients not made yet (`gradients` stays the rank's gradient
-  bytes; `backward_gradients` those alive then): the trainer zeroes them to None, FSDP2 makes its
-  sharded gradients in the last micro-batch's reduce-scatter, so none of them (under pp, where the
-  stages reduce after all micro-batches, they stay counted: they stand in for that moment's
-  accumulation, gradients and reduce-scatter buffers, see `_static`); one process's exist once an
-  earlier micro-batch made them (grad_accum > 1 or pp > 1); DDP's are views of buckets that stay, so
-  all of them. Measured by `ultratron simulate` (Llama-3 8B, seq 4096, mb 1, bf16, dp 8, ZeRO-3: the
-  peak at backward's start without gradients).
+  transient of the loss's backward and a block's backward (its recomputed activations, the
+  gradients in flight and ZeRO-3's gathered blocks) — less the gradients not made yet (`gradients`
+  stays the rank's gradient bytes; `backward_gradients` those alive then): the trainer zeroes them
+  to None, FSDP2 makes its sharded gradients in the last micro-batch's reduce-scatter, so none of
+  them (under pp, where the stages reduce after all micro-batches, they stay counted: they stand
+  in for that moment's accumulation, gradients and reduce-scatter buffers, see `_static`); one
+  process's exist once an earlier micro-batch made them (grad_accum > 1 or pp > 1); DDP's are
+  views of buckets that stay, so all of them. Measured by `ultratron simulate` (Llama-3 8B, seq
+  4096, mb 1, bf16, dp 8, ZeRO-3: the peak at backward's start without gradients).
   The optimizer step's (`step_bytes`): static with every gradient (but FSDP2's unsharded
   accumulation, freed by the reduce-scatter that makes them) + communication buffers +
   `step_temporaries`, no activations: torch's foreach AdamW (sharded or DTensor parameters)
@@ -323,20 +324,22 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
                                per_stage)
     loss_logits = sum(k * loss for k, loss in zip(in_flight, loss_share, strict=True))
     activations = sum(k * b for k, b in zip(in_flight, per_stage, strict=True)) - loss_logits
-    # Backward's transients on top of forward's leftovers: the loss's gradients on the last stage,
-    # then a block's backward (the last stage has freed its head and log-probabilities by then).
-    transient = block_backward_bytes(shape, layout, model) - max(freed)
-    if where.last:
-        transient = max(transient, loss_backward_bytes(shape, layout))
-
-    comm = 0.0
+    comm = block_comm = 0.0
     if st.gathered_blocks:
         # a block's sharded parameters: its routed experts too while they are not split
         layer_params = _layer_params(shape, t) + (0.0 if experts else routed_expert_params_per_layer(shape))
-        # two blocks gathered, one block's fp32 gradients reduced
-        comm += 2 * layer_params * layout.gathered_bytes + layer_params * 4
+        # at a block's backward: it and the next (FSDP2's backward prefetch) gathered, one block's fp32
+        # gradients reduce-scattered; none at the loss's backward (the last block resharded after
+        # forward) nor at the optimizer step
+        block_comm = 2 * layer_params * layout.gathered_bytes + layer_params * 4
         # the root (embedding, final norm, head) stays gathered through the step (parallel/data.py)
         comm += p * (sharded - sum(where.layers) * layer_params)
+    # Backward's transients on top of forward's leftovers: the loss's gradients on the last stage,
+    # then a block's backward with ZeRO-3's gathered blocks (the last stage has freed its head and
+    # log-probabilities by then).
+    transient = block_backward_bytes(shape, layout, model) + block_comm - max(freed)
+    if where.last:
+        transient = max(transient, loss_backward_bytes(shape, layout))
     if layout.pp > 1:  # torch's stages keep a receive buffer per micro-batch and neighbour on another rank
         ranks = stage_ranks(layout.pp_schedule, layout.pp, layout.pp_virtual_stages)
         remote = sum((s > 0 and ranks[s - 1] != where.rank) + (s < n_stages - 1 and ranks[s + 1] != where.rank)
