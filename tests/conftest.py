@@ -60,16 +60,18 @@ class Counter:
         self.step = state["step"]
 
 
-# The files that take longest on CI's 2 cores (seconds of the last fresh-clone run's --durations, whole
-# file), heaviest first. `make test` hands files to its two xdist workers in this order, then the rest
-# as xdist orders them (most tests first): one of these started last would run alone at the end while
-# the other worker idles. Keep it in step with `make test`'s slowest-tests list.
+# The files that take longest on CI's 2 cores, heaviest first (seconds: the last fresh-clone run's
+# --durations, whole file, before run_local forked its ranks; the order also holds in a side-by-side
+# run since, where the simulate file gained least). `make test` hands files to its two xdist workers
+# in this order, then the rest as xdist orders them (most tests first): one of these started last
+# would run alone at the end while the other worker idles. Keep it in step with `make test`'s
+# slowest-tests list.
 HEAVIEST_FIRST = [
     "tests/distributed/test_dist_pipeline.py",        # ~380: launches of 2, 4 and 8 ranks
     "tests/test_readme.py",                           # ~300: every README command, torchrun included
+    "tests/distributed/test_dist_simulate.py",        # ~170
     "tests/distributed/test_dist_cp_ep.py",           # ~210
     "tests/distributed/test_dist_combinations.py",    # ~180
-    "tests/distributed/test_dist_simulate.py",        # ~170
     "tests/test_simulate_scale.py",                   # ~145
     "tests/distributed/test_dist_equivalence.py",     # ~140
     "tests/test_fp8.py",                              # ~70
