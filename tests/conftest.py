@@ -58,3 +58,45 @@ class Counter:
 
     def load_state_dict(self, state):
         self.step = state["step"]
+
+
+# The files that take longest on CI's 2 cores, heaviest first (seconds: the last fresh-clone run's
+# --durations, whole file, before run_local forked its ranks; the order also holds in a side-by-side
+# run since, where the simulate file gained least). `make test` hands files to its two xdist workers
+# in this order, then the rest as xdist orders them (most tests first): one of these started last
+# would run alone at the end while the other worker idles. Keep it in step with `make test`'s
+# slowest-tests list.
+HEAVIEST_FIRST = [
+    "tests/distributed/test_dist_pipeline.py",        # ~380: launches of 2, 4 and 8 ranks
+    "tests/test_readme.py",                           # ~300: every README command, torchrun included
+    "tests/distributed/test_dist_simulate.py",        # ~170
+    "tests/distributed/test_dist_cp_ep.py",           # ~210
+    "tests/distributed/test_dist_combinations.py",    # ~180
+    "tests/test_simulate_scale.py",                   # ~145
+    "tests/distributed/test_dist_equivalence.py",     # ~140
+    "tests/test_fp8.py",                              # ~70
+]
+
+
+@pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist, which the test extra installs)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class HeaviestFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            order = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+            first = min(self.workqueue, key=lambda scope: order.get(scope, len(order)))
+            self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
+
+        def _reschedule(self, node):
+            # xdist hands a worker its next file when two of its tests are left, so a file of two
+            # tests takes a second file at once; here only when its last test is left (a worker
+            # runs a test once it holds the next one)
+            if self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            super()._reschedule(node)
+
+    return HeaviestFirst(config, log)

@@ -62,8 +62,11 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def _env() -> dict[str, str]:
+    # one torch thread a process, as torchrun gives each rank: `make test` runs two test files at once on
+    # CI's 2 cores, and a single-process command on torch's default 2 threads then ran ~2x slower
+    # than on one (measured side by side on a busy 2-core machine)
     bin_dir = str(Path(sys.executable).parent)
-    return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1"}
 
 
 def test_the_readme_has_its_command_blocks():

@@ -242,6 +242,20 @@ def train_joining_the_group_itself(base: list[str], out_dir: str) -> None:
         {"steps": result.steps_done, "group_after": dist.is_initialized()}))
 
 
+def write_environment(names: list[str], out_dir: str) -> None:
+    """The values of environment variables `names` (None: unset) and RANK, as this rank sees them,
+    written to out_dir/rank<r>.json."""
+    import json
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    values = {name: os.environ.get(name) for name in [*names, "RANK"]}
+    Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(values))
+
+
 def grad_norms(base: list[str], layouts: list[list[str]], out_dir: str) -> None:
     """For each layout, after one step's forward and backward: the global gradient norm the trainer
     clips by, the norm of every parameter's whole gradient (DTensors gathered, each parameter once,

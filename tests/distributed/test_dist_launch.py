@@ -69,6 +69,24 @@ def test_train_leaves_the_process_group_it_joined(dist_base, tmp_path):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"steps": STEPS, "group_after": False}
 
 
+def test_each_launch_gives_its_ranks_the_callers_environment_of_the_moment(tmp_path, monkeypatch):
+    """run_local forks the ranks from a fork server that an earlier launch started, with the environment
+    of then: a variable set since must still reach the ranks, as a spawned rank's would."""
+    import json
+
+    from dist_jobs import write_environment
+
+    from ultratron.launch.local import run_local
+
+    run_local(2, write_environment, ["ULTRATRON_TEST_MARK"], str(tmp_path / "first"))  # (the fork server runs)
+    monkeypatch.setenv("ULTRATRON_TEST_MARK", "set since")
+    run_local(2, write_environment, ["ULTRATRON_TEST_MARK"], str(tmp_path / "second"))
+    for launch, expected in (("first", None), ("second", "set since")):
+        for rank in range(2):
+            got = json.loads((tmp_path / launch / f"rank{rank}.json").read_text())
+            assert got == {"ULTRATRON_TEST_MARK": expected, "RANK": str(rank)}, (launch, rank)
+
+
 def test_launch_dry_run_and_slurm_script(tmp_path, capsys):
     assert main(["launch", "--nproc-per-node", "4", "--dry-run", "--", "--parallel.tp", "2"]) == 0
     printed = capsys.readouterr().out.split()
