@@ -75,6 +75,9 @@ def test_bench_comm_profile_round_trips_into_the_planner(tmp_path, capsys):
     assert profile["kernels"] == fitted["kernels"] and set(fitted["kernels"]) == {"layer", "loss", "optimizer"}
     assert acc.attention_flops == profile["attention_flops"] == pytest.approx(fitted["attention_flops"])
     assert acc.kernels == {kind: (k["bandwidth"], k["latency"]) for kind, k in profile["kernels"].items()}
+    assert main(["plan", "estimate", "--model", "tiny", "--dp", "2", "--seq", "256", "--gpu", "profile",
+                 "--profile", str(out)]) == 0
+    assert "loss: bytes at the rates bench comm measured" in capsys.readouterr().out
     # an older profile, without them, still loads: that work at the memory bandwidth, attention at the matmul rate
     old = {k: v for k, v in profile.items() if k not in ("kernel_measurements", "kernels", "attention_flops")}
     old_acc = accelerator_of_profile(old, 64.0)

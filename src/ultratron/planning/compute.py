@@ -27,7 +27,8 @@ Attention. Fused causal attention (PyTorch's `scaled_dot_product_attention`, for
 32 heads of 128) measured on the same H200, as the rate of the *model* FLOPs the planner counts
 (12·s·h per token, the whole s×s square, though a causal kernel computes half of it) over the
 dense peak, by the sequence a rank attends over (s/cp): `ATTENTION_EFFICIENCY`, interpolated in
-log s. Short sequences run far below peak; long ones above 0.9.
+log s. Short sequences run far below peak; long ones above 0.9. A profile that timed the model's own
+attention (`ultratron bench comm`: `attention_flops`) gives its rate instead.
 """
 
 from __future__ import annotations

@@ -94,6 +94,7 @@ class Estimate:
     elementwise_s: float = 0.0  # norms, residuals, rotary, SwiGLU, the loss: bytes at memory bandwidth
     optimizer_s: float = 0.0  # the optimizer step's reads and writes of the model states
     core_share: float = 1.0  # ranks per node × threads ÷ cores, at least 1 (a CPU's shared cores)
+    measured_kernels: bool = False  # elementwise work and the optimizer at a profile's measured rates
 
     TIME_TERMS = ("compute_s", "elementwise_s", "tp_comm_s", "cp_exposed_s", "ep_comm_s", "pp_comm_s", "bubble_s",
                   "dp_comm_s", "dp_exposed_s", "optimizer_s")
@@ -282,7 +283,7 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
                    tokens_per_s_per_gpu * model_flops_per_token / peak,
                    ep_comm_s=by_axis["ep"], efficiency=efficiency, stage_imbalance=imbalance,
                    collectives=collectives, exposed=exposed, elementwise_s=elementwise, optimizer_s=optimizer,
-                   core_share=share)
+                   core_share=share, measured_kernels=bool(acc.kernels))
     est.reasons = _reasons(spec, est, bubble_fraction)
     return est
 
