@@ -164,8 +164,9 @@ def measure(max_bytes: int, repeat: int, matmul_size: int, kernels: tuple[str, i
     measured = None
     if kernels and not rank:  # right after the rates they are fitted against, the others waiting
         model, micro_batch, seq = kernels
+        paced_by = (matmul_size, rate_alone if device.type == "cpu" else rate)  # the rate the planner uses
         measured = kernel_measurements(model, PRESETS[model], micro_batch, seq, device,
-                                       "bf16" if dtype == torch.bfloat16 else "fp32", timed)
+                                       "bf16" if dtype == torch.bfloat16 else "fp32", timed, paced_by)
     dist.barrier()
     if rank:
         return None

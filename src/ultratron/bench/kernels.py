@@ -3,7 +3,8 @@
 head and the fp32 cross-entropy) forward + backward, the family's attention forward + backward, and
 the optimizer step (gradient-norm clipping and fused AdamW, as the trainer runs them). Each is timed
 at the given micro-batch and sequence and, for the fixed cost of its calls, at one token; the median
-of `repeat` runs after a warm-up. `planning.profile.fit_kernels` turns the times into the planner's
+of `repeat` runs after a warm-up, each paced by a square matmul timed just before it (see
+`kernel_measurements`). `planning.profile.fit_kernels` turns the times into the planner's
 rates (the products and attention the compute term prices taken off).
 
 The model is built through the registry at the preset's width with one layer, and cut with its
@@ -25,21 +26,33 @@ from ultratron.models import registry
 from ultratron.planning.rules import head_dim_of
 
 
-def _median_seconds(run, repeat: int, device) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _seconds(run, device) -> float:
+    start = time.perf_counter()
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def kernel_measurements(model: str, shape, micro_batch: int, seq: int, device, precision: str,
-                        repeat: int) -> dict:
-    """The profile's `kernel_measurements`: where they were taken and their seconds (module docstring)."""
+                        repeat: int, matmul: tuple[int, float]) -> dict:
+    """The profile's `kernel_measurements`: where they were taken and their seconds (module docstring).
+    `matmul` (size, FLOP/s): the square product and its rate the times are paced by — each run is
+    timed right after that product and kept as the ratio of the two, the median ratio times the
+    product's time at that rate, so that a shared machine's load changing between the rate's
+    measurement and these leaves the times at the same pace as the rate they are fitted against."""
+    size, rate = matmul
+    left, right = (torch.randn(size, size, device=device,
+                               dtype=torch.bfloat16 if precision == "bf16" else torch.float32) for _ in "lr")
+
+    def _median_seconds(run, repeat: int, device) -> float:
+        run()  # warm-up
+        ratios = []
+        for _ in range(repeat):
+            product = _seconds(lambda: left @ right, device)
+            ratios.append(_seconds(run, device) / product)
+        return statistics.median(ratios) * 2 * size**3 / rate
+
     torch.manual_seed(0)
     one_layer = registry.build_model(replace(shape, n_layers=1), device)
     plan = registry.plan_of(one_layer)
@@ -80,4 +93,4 @@ def kernel_measurements(model: str, shape, micro_batch: int, seq: int, device, p
 
     seconds["optimizer"] = _median_seconds(step, repeat, device)
     return {"model": model, "shape": asdict(shape), "micro_batch": micro_batch, "seq": seq, "precision": precision,
-            "seconds": seconds}
+            "paced_by": {"matmul_size": size, "matmul_flops": rate}, "seconds": seconds}
