@@ -21,7 +21,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from ultratron.bench.kernels import kernel_measurements
 from ultratron.models.presets import PRESETS
 from ultratron.planning.comm import OPS
 from ultratron.planning.profile import FORMAT, fit_kernels, fit_profile, write_profile
@@ -163,6 +162,8 @@ def measure(max_bytes: int, repeat: int, matmul_size: int, kernels: tuple[str, i
     rate_alone, bandwidth_alone = _rates(device, dtype, matmul_size, timed, alone=True)
     measured = None
     if kernels and not rank:  # right after the rates they are fitted against, the others waiting
+        from ultratron.bench.kernels import kernel_measurements  # (the model registry: rank 0 alone imports it)
+
         model, micro_batch, seq = kernels
         paced_by = (matmul_size, rate_alone if device.type == "cpu" else rate)  # the rate the planner uses
         measured = kernel_measurements(model, PRESETS[model], micro_batch, seq, device,
