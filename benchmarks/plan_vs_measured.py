@@ -5,14 +5,15 @@ machine, and against published runs whose layout is fully known.
 
 Local part, --runs times (each into DIR/run-i; --reuse predicts earlier runs again without measuring):
 `ultratron bench comm --nproc 4` measures this machine's collectives (gloo), the matmul and
-elementwise rates of all four ranks at once and of one alone, and the cores; `ultratron bench sweep`
+elementwise rates of all four ranks at once and of one alone, the cores, and the tiny model's own
+non-matmul work on one rank (a block, the loss, attention, the optimizer step); `ultratron bench sweep`
 trains the tiny model for --steps steps on 4 gloo processes in six layouts (dp4, dp2×tp2, dp2×pp2
 1F1B and GPipe, cp2×dp2, ZeRO-3 dp4); each measured median step time is set beside
 `planning.search.estimate_step` under that profile (the planner's one function, no constant fitted
-per layout), then one process alone against the compute term. The machine is shared and noisy:
-each run's ratio is printed side by side, and the medians over runs. Published part: the runs in
-`PUBLISHED`, each predicted on the GPU table's figures (with the changes said there). The docs
-quote the figures (docs/planning.md).
+per layout), then one process alone (dp4's share of the batch) against the planner's step for it.
+The machine is shared and noisy: each run's ratio is printed side by side, and the medians over
+runs. Published part: the runs in `PUBLISHED`, each predicted on the GPU table's figures (with the
+changes said there). The docs quote the figures (docs/planning.md).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from ultratron.models.presets import PRESETS
-from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.hardware import get_accelerator
 from ultratron.planning.layout import Layout
 from ultratron.planning.profile import accelerator_of_profile, load_profile, network_of_profile, profile_note
@@ -75,24 +75,26 @@ def measured_steps(cell_dir: Path) -> float | None:
     return json.loads(path.read_text()).get("step_seconds")
 
 
-def predict_local(profile: dict, cell_dir: Path) -> tuple[Layout, float, object]:
+def predict_local(profile: dict, cell_dir: Path, dp: int | None = None) -> tuple[Layout, float, object]:
+    """The planner's step time for a cell's config under the profile (`dp`: with that many data-parallel
+    ranks instead, each keeping its share of the batch)."""
     from ultratron.config import load_config
 
     cfg = load_config(cell_dir / "config.toml")
     t = cfg.training
+    layout = replace(cfg.layout, dp=dp or cfg.layout.dp)
+    batch = t.batch_tokens * layout.dp // cfg.layout.dp
     acc = accelerator_of_profile(profile, 64.0)
-    spec = SearchSpec(cfg.model, acc, cfg.layout.n_gpus, profile["gpus_per_node"], t.batch_tokens, t.seq_len,
+    spec = SearchSpec(cfg.model, acc, layout.n_gpus, min(layout.n_gpus, profile["gpus_per_node"]), batch, t.seq_len,
                       t.precision, efficiency=1.0, network=network_of_profile(profile))
-    est = estimate_step(spec, replace(cfg.layout))
-    return cfg.layout, est.step_s, est
+    est = estimate_step(spec, layout)
+    return layout, est.step_s, est
 
 
-def single_process(run_dir: Path, cells: list[Path]) -> tuple:
-    """The compute term alone: one process (no collectives, no core shared with another rank) training
-    one dp rank's share of dp4's batch, against the planner at the matmul rate measured alone
-    (kept in single.json, so a later --reuse reads it back)."""
-    from ultratron.config import load_config
-
+def single_process(run_dir: Path, cells: list[Path], profile: dict) -> tuple:
+    """One process (no collectives, no core shared with another rank) training one dp rank's share of
+    dp4's batch, against the planner's step for it under the run's profile (its measured time is kept
+    in single.json, so a later --reuse reads it back)."""
     saved = run_dir / "single.json"
     cell = next(c for c in cells if _matches(c, LOCAL["dp4"]))
     if not saved.is_file():
@@ -110,19 +112,19 @@ def single_process(run_dir: Path, cells: list[Path]) -> tuple:
         measured = sorted(r["step_time"] for r in steps[1:])[len(steps[1:]) // 2]
         saved.write_text(json.dumps({"measured": measured, "rate": rate}))
     data = json.loads(saved.read_text())
-    cfg = load_config(cell / "config.toml")
-    flops = 2048 * flops_per_token_of(cfg.model, cfg.training.seq_len)
-    return data["measured"], flops / data["rate"], f"matmul alone {data['rate'] / 1e9:.1f} GFLOP/s"
+    _, predicted, est = predict_local(profile, cell, dp=1)
+    return data["measured"], predicted, _describe(est) + f"; matmul alone before it {data['rate'] / 1e9:.1f} GFLOP/s"
 
 
 def measure_run(run_dir: Path, steps: int) -> None:
     """One measurement: bench comm's profile, then the sweep of the six layouts, then one process alone."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    ultratron("bench", "comm", "--nproc", "4", "--threads", "1", "--out", str(run_dir / "profile.json"))
+    ultratron("bench", "comm", "--nproc", "4", "--threads", "1", "--out", str(run_dir / "profile.json"),
+              "--model", "tiny", "--seq", "256", "--micro-batch", "8")
     layouts = [a for words in LOCAL.values() for a in ("--layout", words)]
     ultratron("bench", "sweep", "--out", str(run_dir / "sweep"), "--model", "tiny", *layouts, "--gpus", "4", "--gpu",
               "cpu", "--steps", str(steps), "--", "--training.threads", "1")
-    single_process(run_dir, sorted((run_dir / "sweep" / "cells").iterdir()))
+    single_process(run_dir, sorted((run_dir / "sweep" / "cells").iterdir()), load_profile(run_dir / "profile.json"))
 
 
 def local_rows(run_dir: Path) -> dict[str, tuple]:
@@ -135,10 +137,8 @@ def local_rows(run_dir: Path) -> dict[str, tuple]:
         if cell is None:
             continue
         _, predicted, est = predict_local(profile, cell)
-        parts = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in _parts(est).items() if v > 0.01 * est.step_s)
-        parts += f"; cores shared ×{est.core_share:.1f}"
-        out[f"local {name} (step s)"] = (measured_steps(cell), predicted, parts)
-    out["local dp1, one process alone (step s)"] = single_process(run_dir, cells)
+        out[f"local {name} (step s)"] = (measured_steps(cell), predicted, _describe(est))
+    out["local dp1, one process alone (step s)"] = single_process(run_dir, cells, profile)
     note = profile_note(profile)
     if note:
         print(f"note ({run_dir}): {note}")
@@ -219,6 +219,11 @@ def _matches(cell: Path, words: str) -> bool:
             "mbs": cfg.training.micro_batch_size}
     defaults = {"tp": "1", "pp": "1", "zero": "0", "parallel.cp": "1"}
     return all(str(have[k]) == want.get(k, defaults.get(k, str(have[k]))) for k in have)
+
+
+def _describe(est) -> str:
+    parts = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in _parts(est).items() if v > 0.01 * est.step_s)
+    return parts + f"; cores shared ×{est.core_share:.1f}"
 
 
 def _parts(est) -> dict[str, float]:

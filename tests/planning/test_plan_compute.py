@@ -215,3 +215,40 @@ def test_attention_flops_count_heads_times_head_dim_not_the_width():
     assert attention == pytest.approx(12 * qwen.n_layers * width * 4096)
     llama = PRESETS["llama3-8b"]
     assert flops_per_token_of(llama, 8192) - flops_per_token_of(llama, 4096) == 12 * 32 * 4096 * 4096
+
+
+def test_measured_kernels_price_each_kind_by_calls_latency_and_bandwidth():
+    # a profile's kernels (bench comm): each kind at its own bytes/s plus seconds per call, attention
+    # at its measured FLOP/s; by hand from the byte counts of `test_elementwise_and_optimizer_bytes_by_hand`
+    from ultratron.planning.compute import elementwise_parts
+
+    shape = PRESETS["tiny"]  # 4 layers, h 256, 8 heads and 4 kv heads of 32, f 768, V 4096
+    lay = Layout(dp=1, micro_batch_size=8, seq_len=256, grad_accum=2, precision="fp32", recompute="full")
+    kernels = {"layer": (3e9, 2e-3), "loss": (1e9, 1e-3), "optimizer": (5e9, 0.0)}
+    cpu = dataclasses.replace(H100, name="cpu", flops={"fp32": 60e9}, memory_bw=12e9, attention_table=False,
+                              kernels=kernels, attention_flops=20e9)
+    spec = SearchSpec(shape, cpu, 1, 1, 2 * 8 * 256, 256, "fp32", efficiency=1.0)
+    est = estimate_step(spec, lay)
+    # fp32, per token and layer (`layer_elementwise_bytes`): norms, residuals, rotary, SwiGLU (+ input-gradient sums)
+    tokens = 2048
+    forward = 2 * 256 * 28 + 2 * 12 * 256 + 384 * 8 + 5 * 4 * 768
+    backward = 2 * 256 * 92 + 2 * 12 * 256 + 384 * 10 + 9 * 4 * 768 + 3 * 3 * 4 * 256
+    layer_bytes = tokens * 4 * (forward + backward + forward)  # 4 layers; full recompute runs the forward again
+    parts = elementwise_parts(shape, lay, est.memory)
+    # recompute repeats the forward's share of a call
+    assert parts["layer"] == pytest.approx((layer_bytes, 4 * (2 * forward + backward) / (forward + backward)))
+    assert parts["loss"] == pytest.approx((tokens * 6 * 4 * 4096, 1.0))
+    per_micro = parts["layer"][1] * 2e-3 + layer_bytes / 3e9 + 1e-3 + tokens * 6 * 4 * 4096 / 1e9
+    assert est.elementwise_s == pytest.approx(2 * per_micro)  # two micro-batches
+    assert est.optimizer_s == pytest.approx(parts["optimizer"][0] / 5e9)
+    # attention at its measured rate, the products at the matmul rate (efficiency 1)
+    eff = compute_efficiency(shape, lay, 60e9, 12e9, 1.0, False, attention_flops=20e9)
+    attention = 12 * 4 * 256 * 256 * tokens
+    products = sum(3 * matmul_seconds(m, k, n, 60e9, 12e9, 4, 1.0) * c * 4 for m, k, n, c in
+                   layer_matmuls(shape, tokens, 1)) + 3 * matmul_seconds(tokens, 256, 4096, 60e9, 12e9, 4, 1.0)
+    assert eff == pytest.approx(est.efficiency)  # the step uses the same function
+    flops = sum(6 * m * k * n * c * 4 for m, k, n, c in layer_matmuls(shape, tokens, 1)) + 6 * tokens * 256 * 4096
+    assert eff == pytest.approx((flops + attention) / (products + attention / 20e9) / 60e9)
+    # a kind the profile did not measure stays at the memory bandwidth, without latency
+    plain = estimate_step(dataclasses.replace(spec, accelerator=dataclasses.replace(cpu, kernels={})), lay)
+    assert plain.elementwise_s == pytest.approx(2 * (layer_bytes + tokens * 6 * 4 * 4096) / 12e9)

@@ -1,7 +1,7 @@
 """`ultratron bench comm`: measure the collectives a training step issues — all-reduce, all-gather,
 reduce-scatter, all-to-all, broadcast and point-to-point — and one rank's matmul and elementwise
-(memory) rates, with every rank computing at once and with one rank alone, and the CPU cores the
-ranks share, on the
+(memory) rates, with every rank computing at once and with one rank alone, the CPU cores the
+ranks share, and (`bench/kernels.py`) a model's own non-matmul work on one rank, on the
 machines it runs on, and write a profile (`planning/profile.py`) that `plan estimate` and `plan
 search` read with --profile.
 
@@ -21,8 +21,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from ultratron.models.presets import PRESETS
 from ultratron.planning.comm import OPS
-from ultratron.planning.profile import FORMAT, fit_profile, write_profile
+from ultratron.planning.profile import FORMAT, fit_kernels, fit_profile, write_profile
 
 
 def _sizes(max_bytes: int) -> list[int]:
@@ -131,8 +132,10 @@ def _rates(device, dtype, matmul_size: int, repeat: int, alone: bool) -> tuple[f
     return float(rates[0]), float(rates[1])
 
 
-def measure(max_bytes: int, repeat: int, matmul_size: int) -> dict | None:
-    """Run on every rank of an initialised process group; rank 0 gets the profile, the others None."""
+def measure(max_bytes: int, repeat: int, matmul_size: int, kernels: tuple[str, int, int] | None = None) -> dict | None:
+    """Run on every rank of an initialised process group; rank 0 gets the profile, the others None.
+    `kernels` (model preset, micro-batch, sequence): also time that model's own non-matmul work on
+    rank 0 alone (`bench/kernels.py`) and fit the planner's rates to it."""
     world, rank = dist.get_world_size(), dist.get_rank()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl" \
@@ -157,10 +160,19 @@ def measure(max_bytes: int, repeat: int, matmul_size: int) -> dict | None:
     timed = max(repeat, 10)  # the rates are what a step's compute runs at: more than a few samples
     rate, bandwidth = _rates(device, dtype, matmul_size, timed, alone=False)  # all at once, as in training
     rate_alone, bandwidth_alone = _rates(device, dtype, matmul_size, timed, alone=True)
+    measured = None
+    if kernels and not rank:  # right after the rates they are fitted against, the others waiting
+        from ultratron.bench.kernels import kernel_measurements  # (the model registry: rank 0 alone imports it)
+
+        model, micro_batch, seq = kernels
+        paced_by = (matmul_size, rate_alone if device.type == "cpu" else rate)  # the rate the planner uses
+        measured = kernel_measurements(model, PRESETS[model], micro_batch, seq, device,
+                                       "bf16" if dtype == torch.bfloat16 else "fp32", timed, paced_by)
+    dist.barrier()
     if rank:
         return None
     cpu = device.type == "cpu"
-    return {"format": FORMAT, "version": 1, "device": torch.cuda.get_device_name(device) if not cpu
+    profile = {"format": FORMAT, "version": 1, "device": torch.cuda.get_device_name(device) if not cpu
             else "cpu", "backend": dist.get_backend(), "world_size": world, "gpus_per_node": local,
             "threads_per_rank": torch.get_num_threads(), "matmul_flops": rate, "memory_bw": bandwidth,
             "matmul_flops_alone": rate_alone, "memory_bw_alone": bandwidth_alone,
@@ -168,34 +180,40 @@ def measure(max_bytes: int, repeat: int, matmul_size: int) -> dict | None:
             "cores": cores_available() if cpu else 0,
             "dtype": "bf16" if dtype == torch.bfloat16 else "fp32", **fit_profile(measurements),
             "measurements": measurements}
+    if measured:
+        profile["kernel_measurements"] = measured
+        profile.update(fit_kernels(profile))
+    return profile
 
 
 def _worker(rank: int, world: int, init: str, out: str, max_bytes: int, repeat: int, matmul_size: int,
-            threads: int) -> None:
+            threads: int, kernels) -> None:
     torch.set_num_threads(threads)
     os.environ["LOCAL_WORLD_SIZE"] = str(world)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    _measure_in_group(out, max_bytes, repeat, matmul_size)
+    _measure_in_group(out, max_bytes, repeat, matmul_size, kernels)
 
 
-def _measure_in_group(out: str, max_bytes: int, repeat: int, matmul_size: int) -> None:
+def _measure_in_group(out: str, max_bytes: int, repeat: int, matmul_size: int, kernels) -> None:
     """Measure in the process group this process has joined (rank 0 writes the profile), then leave it."""
     try:
-        profile = measure(max_bytes, repeat, matmul_size)
+        profile = measure(max_bytes, repeat, matmul_size, kernels)
         if profile is not None:
             write_profile(out, profile)
     finally:
         dist.destroy_process_group()
 
 
-def run_comm(out: str, nproc: int, max_bytes: int, repeat: int, matmul_size: int, threads: int) -> None:
-    """Measure and write the profile: under torchrun with its ranks, else with `nproc` local processes."""
+def run_comm(out: str, nproc: int, max_bytes: int, repeat: int, matmul_size: int, threads: int,
+             kernels: tuple[str, int, int] | None = None) -> None:
+    """Measure and write the profile: under torchrun with its ranks, else with `nproc` local processes;
+    `kernels`: `measure`'s."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
-        _measure_in_group(out, max_bytes, repeat, matmul_size)
+        _measure_in_group(out, max_bytes, repeat, matmul_size, kernels)
         return
     import tempfile
 
@@ -203,4 +221,5 @@ def run_comm(out: str, nproc: int, max_bytes: int, repeat: int, matmul_size: int
 
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/store"
-        mp.spawn(_worker, args=(nproc, init, out, max_bytes, repeat, matmul_size, threads), nprocs=nproc, join=True)
+        mp.spawn(_worker, args=(nproc, init, out, max_bytes, repeat, matmul_size, threads, kernels), nprocs=nproc,
+                 join=True)

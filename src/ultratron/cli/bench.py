@@ -34,6 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cm.add_argument("--repeat", type=int, default=5, help="timed runs per size (default 5; the median is kept)")
     cm.add_argument("--matmul-size", type=int, default=1024, help="square matmul timed on every rank at once")
     cm.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
+    cm.add_argument("--model", default="tiny", help="model preset whose own non-matmul work (a block, the loss, "
+                                                     "attention, the optimizer step) one rank times for the planner; "
+                                                     "none: skip (default tiny)")
+    cm.add_argument("--seq", type=int, default=256, help="sequence length of that work (default 256)")
+    cm.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch of that work (default 8)")
     cm.set_defaults(bench_run=run_comm)
     sw = sub.add_parser("sweep", help="train a grid of layouts × models for a few steps each; measured vs predicted")
     sw.add_argument("--out", required=True, help="the sweep directory (results, reports; resumed if it exists)")
@@ -68,18 +73,31 @@ def run(args) -> int:
 
 def run_comm(args) -> int:
     from ultratron.bench.comm import run_comm as measure
+    from ultratron.models.presets import PRESETS
     from ultratron.planning.profile import load_profile
 
     problems = [f"--{n.replace('_', '-')} must be positive, got {getattr(args, n)}"
-                for n in ("nproc", "max_bytes", "repeat", "matmul_size", "threads") if getattr(args, n) <= 0]
+                for n in ("nproc", "max_bytes", "repeat", "matmul_size", "threads", "seq", "micro_batch")
+                if getattr(args, n) <= 0]
     if args.nproc < 2:
         problems.append("--nproc must be at least 2: a collective needs a group")
+    if args.model != "none" and args.model not in PRESETS:
+        problems.append(f"--model {args.model!r} is not a preset; known: none, {', '.join(PRESETS)}")
+    elif args.model != "none" and args.seq > PRESETS[args.model].max_seq_len:
+        problems.append(f"--seq {args.seq} is longer than {args.model}'s max_seq_len "
+                        f"{PRESETS[args.model].max_seq_len}")
     if problems:
         raise UserError(problems)
-    measure(args.out, args.nproc, args.max_bytes, args.repeat, args.matmul_size, args.threads)
+    kernels = None if args.model == "none" else (args.model, args.micro_batch, args.seq)
+    measure(args.out, args.nproc, args.max_bytes, args.repeat, args.matmul_size, args.threads, kernels)
     profile = load_profile(args.out)
     print(f"{profile['world_size']} ranks ({profile['backend']}, {profile['device']}), matmul "
           f"{profile['matmul_flops'] / 1e9:.1f} GFLOP/s per rank")
+    if profile.get("kernels"):
+        print(f"  {args.model} at {args.micro_batch} × {args.seq} tokens, one rank: attention "
+              f"{profile['attention_flops'] / 1e9:.1f} GFLOP/s; " + ", ".join(
+                  f"{kind} {k['bandwidth'] / 1e9:.2f} GB/s + {k['latency'] * 1e3:.2f} ms a call"
+                  for kind, k in profile["kernels"].items()))
     for where in ("intra", "inter"):
         for op, link in profile.get(where, {}).items():
             print(f"  {where}-node {op:15s} bus bandwidth {link['bandwidth'] / 1e9:8.3f} GB/s, "

@@ -347,13 +347,15 @@ def _seconds(value: float) -> str:
 
 def step_table(est) -> str:
     """The step as a table: compute, each collective (its time and what of it shows), the bubble."""
+    rates = "the rates bench comm measured" if est.measured_kernels else "memory bandwidth"
     rows = [["compute", f"matmuls and attention at {est.efficiency:.0%} of peak"
              + (f", slowest stage ×{est.stage_imbalance:.2f}" if est.stage_imbalance > 1 else ""),
              "", "", "", "", _seconds(est.compute_s), f"{est.compute_s / est.step_s:.1%}"],
-            ["elementwise", "norms, residuals, rotary, SwiGLU, loss: bytes at memory bandwidth", "", "", "", "",
+            ["elementwise", f"norms, residuals, rotary, SwiGLU, loss: bytes at {rates}", "", "", "", "",
              _seconds(est.elementwise_s), f"{est.elementwise_s / est.step_s:.1%}"]]
     if est.core_share > 1:
-        rows[0][1] += f", ×{est.core_share:.2f} for ranks sharing cores"
+        for row in rows:
+            row[1] += f", ×{est.core_share:.2f} for ranks sharing cores"
     for c, exposed in zip(est.collectives, est.exposed, strict=True):
         hidden = f"hidden by {c.hidden_by}" if c.hidden_by else "exposed"
         rows.append([f"{c.axis} {c.op}", c.what, f"{c.group}" + (" (nodes)" if c.spans_nodes else ""),
@@ -362,7 +364,7 @@ def step_table(est) -> str:
     if est.bubble_s:
         rows.append(["pipeline bubble", f"{est.layout.pp_schedule}, {est.layout.grad_accum} micro-batches", "", "", "",
                      "", _seconds(est.bubble_s), f"{est.bubble_s / est.step_s:.1%}"])
-    rows.append(["optimizer step", "model states read and written at memory bandwidth", "", "", "", "",
+    rows.append(["optimizer step", f"model states read and written at {rates}", "", "", "", "",
                  _seconds(est.optimizer_s), f"{est.optimizer_s / est.step_s:.1%}"])
     rows.append(["step", "", "", "", "", "", _seconds(est.step_s), "100%"])
     return table(["term", "what", "group", "calls", "per call", "time", "on the step", "share"], rows)

@@ -29,7 +29,8 @@ Attention. Fused causal attention (PyTorch's `scaled_dot_product_attention`, for
 32 heads of 128) measured on the same H200, as the rate of the *model* FLOPs the planner counts
 (12·s·h per token, the whole s×s square, though a causal kernel computes half of it) over the
 dense peak, by the sequence a rank attends over (s/cp): `ATTENTION_EFFICIENCY`, interpolated in
-log s. Short sequences run far below peak; long ones above 0.9.
+log s. Short sequences run far below peak; long ones above 0.9. A profile that timed the model's own
+attention (`ultratron bench comm`: `attention_flops`) gives its rate instead.
 """
 
 from __future__ import annotations
@@ -86,10 +87,12 @@ def layer_matmuls(shape, tokens: float, tp: int, ep: int = 1) -> list[tuple[floa
 
 
 def compute_efficiency(shape, layout, peak: float, hbm: float, efficiency: float = MATMUL_EFFICIENCY,
-                       attention_table: bool = True, bf16_peak: float | None = None) -> float:
+                       attention_table: bool = True, bf16_peak: float | None = None,
+                       attention_flops: float = 0.0) -> float:
     """The fraction of the dense peak a rank's training compute of this layout runs at: FLOPs of
     its matmuls and attention over their modelled time (module docstring), for one micro-batch.
-    `attention_table` False: attention at the large-matmul rate (a device the table is not from).
+    `attention_table` False: attention at the large-matmul rate (a device the table is not from);
+    `attention_flops`: attention at this measured rate instead (`ultratron bench comm`'s profile).
     Under fp8 `peak` is the fp8 one, which the blocks' matmuls run at (`parallel/float8.py`), while
     the head and attention stay bf16 and run at `bf16_peak`."""
     tokens = layout.micro_batch_size * layout.seq_len / layout.cp
@@ -106,12 +109,11 @@ def compute_efficiency(shape, layout, peak: float, hbm: float, efficiency: float
     attention = 12 * shape.n_layers * shape.n_heads * head_dim_of(shape) * layout.seq_len * tokens / layout.tp
     flops += attention
     rate = attention_efficiency(layout.seq_len / layout.cp) / MATMUL_EFFICIENCY if attention_table else 1.0
-    seconds += attention / (rate * efficiency * other_peak)
+    seconds += attention / attention_flops if attention_flops else attention / (rate * efficiency * other_peak)
     return flops / seconds / peak
 
 
-# Elementwise work: the passes over memory that are not matmuls or attention, each at the memory
-# bandwidth (bytes / HBM bytes/s; a CPU's: what `ultratron bench comm` measured). Counted as the
+# Elementwise work: the passes over memory that are not matmuls or attention. Counted as the
 # eager kernels of `models/llama` run them, each reading its inputs and writing its output once, in
 # bytes per token and layer, forward | backward (r, p: bytes of the residual stream and of matmul
 # outputs, `planning.activations.dtypes_of`; h' = h/t under sequence parallelism, else h; q, kv, f
@@ -137,7 +139,16 @@ def compute_efficiency(shape, layout, peak: float, hbm: float, efficiency: float
 # read and written, its backward read and written, the gradient cast back). The optimizer step reads
 # every byte of the rank's model states and writes all but the gradients (AdamW: master, two moments,
 # the compute copy); each micro-batch after the first reads and writes the accumulated gradients.
+#
+# Each kind of work — "layer" (a block's, the list above), "loss", "optimizer" — takes
+#     calls × latency + bytes / bandwidth
+# with the kind's rate from `ultratron bench comm`'s profile where it measured one (the model's own
+# block, its ends and its optimizer step timed on one rank, less the matmuls and attention the
+# compute term prices: `planning.profile.fit_kernels`), else no latency at the memory bandwidth (a
+# GPU's HBM datasheet figure). A call is one layer's forward + backward (recompute repeats the share
+# of it that it runs again), one micro-batch's loss, one optimizer step.
 LOSS_PASSES = 6
+KERNEL_KINDS = ("layer", "loss", "optimizer")
 
 
 def layer_elementwise_bytes(shape, layout) -> dict[str, tuple[float, float]]:
@@ -169,19 +180,42 @@ def layer_elementwise_bytes(shape, layout) -> dict[str, tuple[float, float]]:
     return out
 
 
-def elementwise_bytes(shape, layout, memory) -> tuple[float, float]:
-    """(bytes of one micro-batch's elementwise work, bytes of the optimizer step) on the rank whose
-    memory breakdown is `memory` (its layers, its head, its model states): see the comment above."""
+def elementwise_parts(shape, layout, memory) -> dict[str, tuple[float, float]]:
+    """{kind: (bytes, calls)} on the rank whose memory breakdown is `memory` (its layers, its head,
+    its model states): "layer" and (on the rank holding the head) "loss" for one micro-batch,
+    "optimizer" for the step. See the comment above."""
     per_layer = layer_elementwise_bytes(shape, layout)
     again = {"none": (), "selective": ("norms", "rotary", "swiglu", "casts"),
              "full": tuple(per_layer)}[layout.recompute]
-    per_token = sum(f + b for f, b in per_layer.values()) + sum(per_layer[kind][0] for kind in again)
+    once = sum(f + b for f, b in per_layer.values())
+    per_token = once + sum(per_layer[kind][0] for kind in again)
     tokens = layout.micro_batch_size * layout.seq_len / layout.cp
     layers = memory.extra.get("layers_on_stage", shape.n_layers)
-    micro = tokens * layers * per_token
+    layer_bytes = tokens * layers * per_token
     if dtypes_of(layout).casts:  # autocast's copy of each matmul weight: forward (again under recompute), backward
-        micro += layers * layer_matmul_params(shape, layout.tp) * 6 * (3 if layout.recompute != "none" else 2)
+        layer_bytes += layers * layer_matmul_params(shape, layout.tp) * 6 * (3 if layout.recompute != "none" else 2)
+    parts = {"layer": (layer_bytes, layers * per_token / once)}
     if memory.loss_logits:  # the rank holds the head
-        micro += tokens * LOSS_PASSES * 4 * shape.vocab_size / layout.tp
-    optimizer = 2 * memory.static_bytes - memory.gradients + 2 * (layout.grad_accum - 1) * memory.gradients
-    return micro, optimizer
+        parts["loss"] = (tokens * LOSS_PASSES * 4 * shape.vocab_size / layout.tp, 1.0)
+    parts["optimizer"] = (2 * memory.static_bytes - memory.gradients + 2 * (layout.grad_accum - 1) * memory.gradients,
+                          1.0)
+    return parts
+
+
+def elementwise_bytes(shape, layout, memory) -> tuple[float, float]:
+    """(bytes of one micro-batch's elementwise work, bytes of the optimizer step): `elementwise_parts`'."""
+    parts = elementwise_parts(shape, layout, memory)
+    return parts["layer"][0] + parts.get("loss", (0.0, 0))[0], parts["optimizer"][0]
+
+
+def kernel_seconds(parts: dict[str, tuple[float, float]], kinds, memory_bw: float,
+                   kernels: dict[str, tuple[float, float]]) -> float:
+    """Seconds of the `kinds` of `parts` ({kind: (bytes, calls)}): calls × latency + bytes / bandwidth
+    at `kernels`' measured (bandwidth, latency) of the kind, else no latency at `memory_bw`."""
+    seconds = 0.0
+    for kind in kinds:
+        if kind in parts:
+            nbytes, calls = parts[kind]
+            bandwidth, latency = kernels.get(kind, (memory_bw, 0.0))
+            seconds += calls * latency + nbytes / bandwidth
+    return seconds

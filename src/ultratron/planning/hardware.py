@@ -46,6 +46,11 @@ class Accelerator:
     cores: int = 0
     threads_per_rank: int = 1
     comm_uses_cores: bool = False
+    # Measured by `ultratron bench comm` on the model's own shapes (planning.profile.fit_kernels): a
+    # kind of non-matmul work ("layer", "loss", "optimizer") → (bytes/s, seconds per call), and
+    # attention's FLOP/s. Empty / 0: elementwise work at `memory_bw`, attention as `attention_table` says.
+    kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
+    attention_flops: float = 0.0
 
     def core_share(self, ranks_per_node: int) -> float:
         """How many times slower a rank computes when `ranks_per_node` ranks share the node's cores."""

@@ -9,7 +9,17 @@ and the measured matmul rate of one rank while all ranks multiply at once.
      "matmul_flops_alone": 4.1e10, "memory_bw_alone": 4e9, (one rank, the others waiting)
      "intra": {"all-reduce": {"bandwidth": 1.2e9, "latency": 8e-05}, ...},
      "inter": {...} or {},
-     "measurements": [{"op", "group", "spans_nodes", "bytes", "seconds"}, ...]}
+     "measurements": [{"op", "group", "spans_nodes", "bytes", "seconds"}, ...],
+     "kernel_measurements": {"model": "tiny", "shape": {...}, "micro_batch": 8, "seq": 256,
+                             "precision": "fp32", "seconds": {"layer", "layer_one_token", "loss",
+                             "loss_one_token", "attention", "optimizer"}},  (one rank alone)
+     "kernels": {"layer": {"bandwidth": 3e9, "latency": 4e-4}, "loss": {...}, "optimizer": {...}},
+     "attention_flops": 1.8e10}
+
+The kernels are the model's own non-matmul work timed on one rank (`bench/kernels.py`), fitted by
+`fit_kernels` to the planner's `calls × latency + bytes / bandwidth` (planning.compute) after the
+matmuls and attention its compute term prices. A profile without them (an older one) leaves that
+work at the memory bandwidth and attention at the matmul rate.
 
 Bandwidth is NCCL tests' bus bandwidth (bytes × the operation's factor in `planning.comm` / time), so
 the planner's `bytes × factor / bandwidth + latency` gives back the measured time.
@@ -23,8 +33,19 @@ from pathlib import Path
 
 from ultratron import atomic
 from ultratron.errors import UserError
+from ultratron.models.presets import ModelShape
 from ultratron.planning.comm import BUS_FACTORS, OPS, Link, Network
+from ultratron.planning.compute import (
+    KERNEL_KINDS,
+    LOSS_PASSES,
+    layer_elementwise_bytes,
+    layer_matmuls,
+    matmul_seconds,
+)
 from ultratron.planning.hardware import Accelerator, GiB
+from ultratron.planning.layout import Layout
+from ultratron.planning.memory import estimate_memory
+from ultratron.planning.rules import head_dim_of
 
 FORMAT = "ultratron-comm-profile"
 
@@ -99,19 +120,67 @@ def profile_note(profile: dict) -> str:
     return ""
 
 
+def planner_rates(profile: dict) -> tuple[float, float]:
+    """(matmul FLOP/s, memory bytes/s) the planner computes at under this profile: on a CPU that
+    recorded its cores, the rates of one rank alone (divided later by the layout's share of the
+    cores), else those every rank reached at once."""
+    rate = profile.get("matmul_flops")
+    if not rate:
+        raise UserError("the profile has no measured matmul rate (matmul_flops): give --gpu as well")
+    bandwidth = profile.get("memory_bw", 3.35e12)
+    if int(profile.get("cores") or 0) and profile.get("matmul_flops_alone"):
+        return profile["matmul_flops_alone"], profile.get("memory_bw_alone", bandwidth)
+    return rate, bandwidth
+
+
+def fit_kernels(profile: dict) -> dict:
+    """{"kernels": {kind: {"bandwidth", "latency"}}, "attention_flops"} from the profile's
+    `kernel_measurements` and its matmul rate: attention's model FLOPs (12·s·h per token and layer)
+    over its time; for "layer" and "loss" the time left after the products the compute term prices
+    (a block's, the head's: `matmul_seconds` at the planner's rates), the one-token run's rest being
+    the latency and the full run's bytes (`planning.compute`'s count) over the rest after it the
+    bandwidth; the optimizer's bytes over its time. A rest not above zero (noise) leaves the kind at
+    the memory bandwidth."""
+    m = profile["kernel_measurements"]
+    shape, b, s, times = ModelShape(**m["shape"]), m["micro_batch"], m["seq"], m["seconds"]
+    rate, bandwidth = planner_rates(profile)
+    layout = Layout(micro_batch_size=b, seq_len=s, precision=m["precision"])
+    p = layout.compute_bytes
+    heads = shape.n_heads * head_dim_of(shape)
+    attention_flops = 12 * heads * s * (b * s) / times["attention"]
+
+    def products(tokens: float, kind: str) -> float:  # the compute term's seconds for one call
+        if kind == "loss":  # the head's product
+            return 3 * matmul_seconds(tokens, shape.dim, shape.vocab_size, rate, bandwidth, p, 1.0)
+        seq = 1 if tokens == 1 else s
+        return (sum(3 * c * matmul_seconds(mm, k, n, rate, bandwidth, p, 1.0)
+                    for mm, k, n, c in layer_matmuls(shape, tokens, 1)) + 12 * heads * seq * tokens / attention_flops)
+
+    per_token = {"layer": sum(f + b for f, b in layer_elementwise_bytes(shape, layout).values()),  # forward + backward
+                 "loss": LOSS_PASSES * 4 * shape.vocab_size}
+    kernels = {}
+    for kind in ("layer", "loss"):
+        latency = max(0.0, times[f"{kind}_one_token"] - products(1, kind))
+        rest = times[kind] - products(b * s, kind) - latency
+        kernels[kind] = {"bandwidth": b * s * per_token[kind] / rest if rest > 0 else bandwidth, "latency": latency}
+    memory = estimate_memory(ModelShape(**{**m["shape"], "n_layers": 1}), layout)
+    optimizer_bytes = 2 * memory.static_bytes - memory.gradients
+    kernels["optimizer"] = {"bandwidth": optimizer_bytes / times["optimizer"], "latency": 0.0}
+    return {"kernels": kernels, "attention_flops": attention_flops}
+
+
 def accelerator_of_profile(profile: dict, memory_gib: float) -> Accelerator:
     """A custom accelerator whose peak is the profile's measured matmul rate (the compute model then
     runs at efficiency 1 for large products: the rate is already what they reach), its memory
     bandwidth the measured elementwise rate. A profile that records the CPU cores its ranks shared
     (`cores`) gives the rates one rank reached alone and the cores: the planner then divides them
     by the layout's own sharing (`Accelerator.core_share`), and collectives hide behind nothing."""
-    rate = profile.get("matmul_flops")
-    if not rate:
-        raise UserError("the profile has no measured matmul rate (matmul_flops): give --gpu as well")
+    rate, bandwidth = planner_rates(profile)
     cores = int(profile.get("cores") or 0)
-    bandwidth = profile.get("memory_bw", 3.35e12)
-    if cores and profile.get("matmul_flops_alone"):
-        rate, bandwidth = profile["matmul_flops_alone"], profile.get("memory_bw_alone", bandwidth)
+    if "kernel_measurements" in profile:  # fitted again, so that the fit follows the planner's byte count of today
+        profile = {**profile, **fit_kernels(profile)}
+    kernels = {kind: (v["bandwidth"], v["latency"]) for kind, v in profile.get("kernels", {}).items()
+               if kind in KERNEL_KINDS}
     net = network_of_profile(profile)
     flops = {key: rate for key in ("bf16", "fp16", "fp32", "tf32")}
     return Accelerator(f"measured {profile.get('device', 'device')}", flops, memory_gib * GiB, net.intra.bandwidth,
@@ -119,4 +188,5 @@ def accelerator_of_profile(profile: dict, memory_gib: float) -> Accelerator:
                        f"measured by ultratron bench comm ({profile.get('backend')}, {profile.get('world_size')} "
                        f"ranks)", intra_node_latency=net.intra.latency, inter_node_latency=net.inter.latency,
                        memory_bw=bandwidth, attention_table=False, cores=cores,
-                       threads_per_rank=int(profile.get("threads_per_rank") or 1), comm_uses_cores=bool(cores))
+                       threads_per_rank=int(profile.get("threads_per_rank") or 1), comm_uses_cores=bool(cores),
+                       kernels=kernels, attention_flops=profile.get("attention_flops", 0.0))

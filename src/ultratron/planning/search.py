@@ -11,7 +11,9 @@ Cost model (per optimizer step on the heaviest rank, every GPU busy in lock-step
             behind the last backward, ring hops behind attention; × `overlap`); tp+sp, all-to-all
             and pipeline sends are on the critical path.
   elementwise  norms, residual adds, rotary, SwiGLU and the loss over the vocabulary, as bytes per
-            token at the memory bandwidth; the optimizer step as its model-state bytes (planning.compute).
+            token; the optimizer step as its model-state bytes; each kind at the rate and per-call
+            latency `bench comm` measured on the model's own shapes, else at the memory bandwidth
+            (planning.compute).
   shared cores  on a CPU profile, ranks per node × threads ÷ cores (at least 1) slows compute and
             elementwise work alike, and collectives hide behind nothing (gloo runs on the same cores).
   pipeline  the schedule's bubble fraction (planning.pipeline.bubble_fraction, the real micro-batch
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from ultratron.errors import UserError
 from ultratron.planning.comm import ATTENTION, COMPUTE, LAST_BACKWARD, Collective, Link, Network, step_collectives
-from ultratron.planning.compute import MATMUL_EFFICIENCY, compute_efficiency, elementwise_bytes
+from ultratron.planning.compute import MATMUL_EFFICIENCY, compute_efficiency, elementwise_parts, kernel_seconds
 from ultratron.planning.experts import is_moe
 from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.hardware import Accelerator
@@ -92,6 +94,7 @@ class Estimate:
     elementwise_s: float = 0.0  # norms, residuals, rotary, SwiGLU, the loss: bytes at memory bandwidth
     optimizer_s: float = 0.0  # the optimizer step's reads and writes of the model states
     core_share: float = 1.0  # ranks per node × threads ÷ cores, at least 1 (a CPU's shared cores)
+    measured_kernels: bool = False  # elementwise work and the optimizer at a profile's measured rates
 
     TIME_TERMS = ("compute_s", "elementwise_s", "tp_comm_s", "cp_exposed_s", "ep_comm_s", "pp_comm_s", "bubble_s",
                   "dp_comm_s", "dp_exposed_s", "optimizer_s")
@@ -246,15 +249,15 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     tokens = spec.global_batch_tokens
     width = shape.n_heads * head_dim_of(shape)  # attention's
     efficiency = compute_efficiency(shape, layout, peak, acc.memory_bw, spec.efficiency, acc.attention_table,
-                                    bf16_peak=acc.flops.get("bf16"))
+                                    bf16_peak=acc.flops.get("bf16"), attention_flops=acc.attention_flops)
     imbalance = stage_imbalance(shape, layout)
     # ranks sharing a CPU's cores each run at their share of them (1 on a GPU)
     share = acc.core_share(min(spec.n_gpus, spec.gpus_per_node))
     compute = share * tokens * model_flops_per_token * hardware_factor * imbalance / (spec.n_gpus * peak * efficiency)
     m = layout.grad_accum
-    micro_bytes, optimizer_bytes = elementwise_bytes(shape, layout, memory)
-    elementwise = share * m * micro_bytes / acc.memory_bw
-    optimizer = share * optimizer_bytes / acc.memory_bw
+    parts = elementwise_parts(shape, layout, memory)
+    elementwise = share * m * kernel_seconds(parts, ("layer", "loss"), acc.memory_bw, acc.kernels)
+    optimizer = share * kernel_seconds(parts, ("optimizer",), acc.memory_bw, acc.kernels)
     per_micro = compute / m
 
     collectives = step_collectives(shape, layout, memory, network_of(spec))
@@ -280,7 +283,7 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
                    tokens_per_s_per_gpu * model_flops_per_token / peak,
                    ep_comm_s=by_axis["ep"], efficiency=efficiency, stage_imbalance=imbalance,
                    collectives=collectives, exposed=exposed, elementwise_s=elementwise, optimizer_s=optimizer,
-                   core_share=share)
+                   core_share=share, measured_kernels=bool(acc.kernels))
     est.reasons = _reasons(spec, est, bubble_fraction)
     return est
 
