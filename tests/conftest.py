@@ -60,12 +60,19 @@ class Counter:
         self.step = state["step"]
 
 
+def losses(run_dir) -> dict[int, float]:
+    """A run's training loss by step, from its metrics."""
+    from ultratron.training.metrics import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
 # The files that take longest on CI's 2 cores, heaviest first (seconds: the last fresh-clone run's
 # --durations, whole file, before run_local forked its ranks; the order also holds in a side-by-side
 # run since, where the simulate file gained least). `make test` hands files to its two xdist workers
 # in this order, then the rest as xdist orders them (most tests first): one of these started last
-# would run alone at the end while the other worker idles. Keep it in step with `make test`'s
-# slowest-tests list.
+# would run alone at the end while the other worker idles. Keep it in step with the slowest files
+# that `make test`'s --durations report.
 HEAVIEST_FIRST = [
     "tests/distributed/test_dist_pipeline.py",        # ~380: launches of 2, 4 and 8 ranks
     "tests/test_readme.py",                           # ~300: every README command, torchrun included
@@ -76,6 +83,7 @@ HEAVIEST_FIRST = [
     "tests/distributed/test_dist_equivalence.py",     # ~140
     "tests/test_fp8.py",                              # ~70
 ]
+_HEAVIEST_RANK = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
 
 
 @pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist, which the test extra installs)
@@ -86,8 +94,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class HeaviestFirst(LoadFileScheduling):
         def _assign_work_unit(self, node):
-            order = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
-            first = min(self.workqueue, key=lambda scope: order.get(scope, len(order)))
+            first = min(self.workqueue, key=lambda scope: _HEAVIEST_RANK.get(scope, len(_HEAVIEST_RANK)))
             self.workqueue.move_to_end(first, last=False)
             super()._assign_work_unit(node)
 

@@ -9,10 +9,10 @@ import uuid
 import pytest
 import torch
 
+from conftest import losses
 from ultratron.checkpoint.checkpointer import Checkpointer
 from ultratron.checkpoint.manager import ModelState
 from ultratron.config import load_config
-from ultratron.training.metrics import read_metrics
 from ultratron.training.trainer import train
 
 BUCKET = f"ckpts-{uuid.uuid4().hex[:8]}"  # moto keeps buckets for the life of the process
@@ -54,9 +54,6 @@ def s3(monkeypatch):
     yield server, fs
     server.stop()
 
-
-def losses(run_dir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
 def test_save_list_verify_resume_and_retention_through_s3(s3, tiny_overrides, tmp_path):

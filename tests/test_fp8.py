@@ -5,10 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import TINY
+from conftest import TINY, losses
 from ultratron.config import load_config
 from ultratron.errors import ConfigError
-from ultratron.training.metrics import read_metrics
 from ultratron.training.trainer import train
 
 pytest.importorskip("torchao")
@@ -23,9 +22,6 @@ BATCH = ["--training.batch_tokens", "256"]  # one micro-batch of 4 × 64 tokens 
 SAVED = 100  # the fp8 run saves here (and at the end); the resume test starts from it
 RESUMED = 3  # steps the resumed run takes
 
-
-def losses(run_dir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
 @pytest.fixture(scope="module")

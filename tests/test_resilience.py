@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import Counter
+from conftest import Counter, losses
 from ultratron.checkpoint import verify as verify_module
 from ultratron.checkpoint.checkpointer import Checkpointer
 from ultratron.checkpoint.manager import ModelState, read_checkpoint
@@ -30,9 +30,6 @@ from ultratron.training.trainer import Trainer, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def losses(run_dir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
 @pytest.fixture

@@ -1,14 +1,12 @@
 """Exact resume: 2K steps in one run equal K steps, stop, resume, K more."""
 
+from conftest import losses
 from ultratron.config import load_config
 from ultratron.training.metrics import read_metrics
 from ultratron.training.trainer import train
 
 K = 4
 
-
-def losses(run_dir):
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_overrides, tmp_path):

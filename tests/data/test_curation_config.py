@@ -81,7 +81,8 @@ def test_conversations_refuse_the_stages_and_filters_that_would_change_them():
         "read.format = 'chat': filter group 'c4' removes lines, which a conversation cannot follow; leave it out "
         "of filter.enabled (e.g. ['length', 'gopher_repetition', 'gopher_quality', 'fineweb', 'punctuation'])",
         "filter.max_chars = 3 is below filter.min_chars = 9"]
-    assert load_config(overrides=["--read.format", "chat", "--pipeline.stages", "read,exact-dedup,write-chat"])
+    chat = load_config(overrides=["--read.format", "chat", "--pipeline.stages", "read,exact-dedup,write-chat"])
+    assert chat.pipeline.stages == ["read", "exact-dedup", "write-chat"]
     with pytest.raises(ConfigError) as err:
         load_config(stages=["write-chat"])
     assert err.value.problems == ["stage 'write-chat' needs read.format = 'chat' (it writes conversations)"]

@@ -135,10 +135,11 @@ def weights_gap(run_dir: Path, reference_dir: Path, tensors_of=None) -> float:
     `tensors_of`: run directory → the tensors compared, by name (default: its whole model)."""
     from ultratron.checkpoint.inference import load_for_inference
 
+    whole = tensors_of is None
     tensors_of = tensors_of or (lambda run: load_for_inference(run).model.state_dict())
     got, expected = tensors_of(run_dir), tensors_of(reference_dir)
     initial = initial_weights(reference_dir)
-    assert set(got) == set(expected) <= set(initial)
+    assert set(got) == set(expected) and (set(expected) == set(initial) if whole else set(expected) <= set(initial))
     return max(float((got[key] - ref).norm()) / float((ref - initial[key]).norm()) for key, ref in expected.items())
 
 

@@ -16,8 +16,8 @@ from dist_common import dist_base_fixture  # noqa: F401 (fixture)
 
 from ultratron.config import load_config
 from ultratron.planning.activations import per_op_layer_items
-from ultratron.planning.layout import Layout
 from ultratron.planning.memory import estimate_memory
+from ultratron.simulate.run import planned_layout
 
 SHAPE = ["--model.n_heads", "8", "--model.n_kv_heads", "4"]  # kv heads that 4 ranks can split
 TP2, SP, BF16 = ["--parallel.tp", "2"], ["--parallel.sp", "true"], ["--training.precision", "bf16"]
@@ -53,11 +53,7 @@ def measured(dist_base, tmp_path_factory):
 
 def _layout(dist_base, flags) -> tuple:
     cfg = load_config(None, dist_base + SHAPE + flags)
-    par, t = cfg.parallel, cfg.training
-    return cfg.model, Layout(dp=par.dp, zero=par.zero, tp=par.tp, sp=par.sp, micro_batch_size=t.micro_batch_size,
-                             seq_len=t.seq_len, grad_accum=cfg.grad_accum_steps, recompute=t.recompute,
-                             precision=t.precision,
-                             attention_fp32=t.precision == "bf16")  # on CPU the trainer runs attention in fp32
+    return cfg.model, planned_layout(cfg)  # as a CPU runs it: bf16 attention in fp32
 
 
 @pytest.mark.parametrize("name", LAYOUTS | LAYOUTS_4)

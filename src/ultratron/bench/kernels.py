@@ -45,7 +45,7 @@ def kernel_measurements(model: str, shape, micro_batch: int, seq: int, device, p
     left, right = (torch.randn(size, size, device=device,
                                dtype=torch.bfloat16 if precision == "bf16" else torch.float32) for _ in "lr")
 
-    def _median_seconds(run, repeat: int, device) -> float:
+    def _median_seconds(run) -> float:
         run()  # warm-up
         ratios = []
         for _ in range(repeat):
@@ -62,8 +62,8 @@ def kernel_measurements(model: str, shape, micro_batch: int, seq: int, device, p
     trained = params + list(ends.parameters())  # with the ends' untied copy of the head
     cast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
 
-    def backward(out: torch.Tensor) -> None:
-        for p in trained:  # each run as a step's first micro-batch: no gradient to accumulate into
+    def backward(out: torch.Tensor, *inputs: torch.Tensor) -> None:
+        for p in (*trained, *inputs):  # each run as a step's first micro-batch: no gradient to accumulate into
             p.grad = None
         out.backward(torch.ones_like(out))
 
@@ -75,14 +75,14 @@ def kernel_measurements(model: str, shape, micro_batch: int, seq: int, device, p
         hidden = torch.randn(b, s, shape.dim, device=device, requires_grad=True)
         tokens = torch.randint(0, shape.vocab_size, (b, s), device=device)
         with cast:
-            seconds["layer" + suffix] = _median_seconds(lambda x=hidden: backward(block(x)), repeat, device)
-            seconds["loss" + suffix] = _median_seconds(lambda t=tokens: backward(loss(ends(t), t)), repeat, device)
+            seconds["layer" + suffix] = _median_seconds(lambda x=hidden: backward(block(x), x))
+            seconds["loss" + suffix] = _median_seconds(lambda t=tokens: backward(loss(ends(t), t)))
     hd = head_dim_of(shape)
     q = torch.randn(micro_batch, shape.n_heads, seq, hd, device=device, requires_grad=True)
     k, v = (torch.randn(micro_batch, shape.n_kv_heads, seq, hd, device=device, requires_grad=True) for _ in "kv")
     groups = shape.n_heads // shape.n_kv_heads
     with cast:
-        seconds["attention"] = _median_seconds(lambda: backward(plan.attention(q, k, v, None, groups)), repeat, device)
+        seconds["attention"] = _median_seconds(lambda: backward(plan.attention(q, k, v, None, groups), q, k, v))
     for p in params:
         p.grad = torch.randn_like(p)
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type in ("cpu", "cuda"))
@@ -91,6 +91,6 @@ def kernel_measurements(model: str, shape, micro_batch: int, seq: int, device, p
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
 
-    seconds["optimizer"] = _median_seconds(step, repeat, device)
+    seconds["optimizer"] = _median_seconds(step)
     return {"model": model, "shape": asdict(shape), "micro_batch": micro_batch, "seq": seq, "precision": precision,
             "paced_by": {"matmul_size": size, "matmul_flops": rate}, "seconds": seconds}

@@ -163,6 +163,11 @@ class DataConfig:
         """Whether packed documents are masked from each other (data.document_masking resolved)."""
         return self.document_masking == "on" or (self.document_masking == "auto" and self.format == "chat")
 
+    @property
+    def masked_targets(self) -> bool:
+        """Whether some targets may not count in the loss (chat's non-assistant turns, document ends)."""
+        return self.format == "chat" or self.documents
+
 
 @dataclass
 class LoraConfig:

@@ -91,7 +91,7 @@ def document_problems(cfg) -> list[str]:
     """What document masking and loss-masked targets (chat) do not yet compose with."""
     par, data, p = cfg.parallel, cfg.data, []
     settings = f"data.document_masking={data.document_masking}, data.format={data.format}"
-    if par.cp > 1 and par.pp > 1 and (data.documents or data.format == "chat"):
+    if par.cp > 1 and par.pp > 1 and data.masked_targets:
         p.append(f"document masking or chat data ({settings}) does not yet work with both parallel.cp={par.cp} and "
                  f"parallel.pp={par.pp} (the pipeline loss does not weight cp shards by counted targets); use one")
     if par.cp > 1 and data.documents and cfg.training.device == "cuda":

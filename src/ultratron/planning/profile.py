@@ -37,8 +37,7 @@ from ultratron.models.presets import ModelShape
 from ultratron.planning.comm import BUS_FACTORS, OPS, Link, Network
 from ultratron.planning.compute import (
     KERNEL_KINDS,
-    LOSS_PASSES,
-    layer_elementwise_bytes,
+    elementwise_parts,
     layer_matmuls,
     matmul_seconds,
 )
@@ -156,16 +155,15 @@ def fit_kernels(profile: dict) -> dict:
         return (sum(3 * c * matmul_seconds(mm, k, n, rate, bandwidth, p, 1.0)
                     for mm, k, n, c in layer_matmuls(shape, tokens, 1)) + 12 * heads * seq * tokens / attention_flops)
 
-    per_token = {"layer": sum(f + b for f, b in layer_elementwise_bytes(shape, layout).values()),  # forward + backward
-                 "loss": LOSS_PASSES * 4 * shape.vocab_size}
+    # the planner's own bytes of each kind for the one timed layer (`planning.compute.elementwise_parts`)
+    one_layer = ModelShape(**{**m["shape"], "n_layers": 1})
+    parts = elementwise_parts(one_layer, layout, estimate_memory(one_layer, layout))
     kernels = {}
     for kind in ("layer", "loss"):
         latency = max(0.0, times[f"{kind}_one_token"] - products(1, kind))
         rest = times[kind] - products(b * s, kind) - latency
-        kernels[kind] = {"bandwidth": b * s * per_token[kind] / rest if rest > 0 else bandwidth, "latency": latency}
-    memory = estimate_memory(ModelShape(**{**m["shape"], "n_layers": 1}), layout)
-    optimizer_bytes = 2 * memory.static_bytes - memory.gradients
-    kernels["optimizer"] = {"bandwidth": optimizer_bytes / times["optimizer"], "latency": 0.0}
+        kernels[kind] = {"bandwidth": parts[kind][0] / rest if rest > 0 else bandwidth, "latency": latency}
+    kernels["optimizer"] = {"bandwidth": parts["optimizer"][0] / times["optimizer"], "latency": 0.0}
     return {"kernels": kernels, "attention_flops": attention_flops}
 
 
