@@ -34,7 +34,6 @@ from ultratron.errors import ConfigError
 from ultratron.models.plan import ParallelPlan
 from ultratron.parallel.dims import ParallelDims
 
-SCALINGS = ("tensorwise", "rowwise")
 FP8_MULTIPLE = 16  # torch._scaled_mm needs both dimensions of each fp8 operand to be multiples of 16
 MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada Lovelace (8.9) and Hopper (9.0) onward
 

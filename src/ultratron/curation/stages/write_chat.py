@@ -43,14 +43,19 @@ def run(ctx: StageContext) -> dict:
     ctx.map_parts(make_doc_fn)
     out = ctx.out_dir / CHAT_DIR
     counts: Counter = Counter()
-    with ExitStack() as files:
-        opened = {}
+    # `read` streams its sources one after another into parts and every stage keeps their order, so
+    # each source's conversations come together: one output file open at a time
+    with ExitStack() as current:
+        name = None
         for part in list_parts(ctx.out_dir):
             for _, record, _problem in iter_records(part):
-                name = str(chat_file(record["source"]))
-                if name not in opened:
+                if str(chat_file(record["source"])) != name:
+                    current.close()  # the previous source's file, renamed into place whole
+                    name = str(chat_file(record["source"]))
+                    if name in counts:
+                        raise RuntimeError(f"write-chat: the conversations of {name} do not come together")
                     (out / name).parent.mkdir(parents=True, exist_ok=True)
-                    opened[name] = files.enter_context(atomic_open(out / name))
-                opened[name].write(json.dumps(record["conversation"], ensure_ascii=False) + "\n")
+                    file = current.enter_context(atomic_open(out / name))
+                file.write(json.dumps(record["conversation"], ensure_ascii=False) + "\n")
                 counts[name] += 1
     return {"conversations": sum(counts.values()), "chat_files": dict(counts), "trainer_data_path": str(out)}
