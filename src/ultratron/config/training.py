@@ -87,7 +87,7 @@ class ParallelConfig:
 @dataclass
 @take_fields(Layout, STEP_FIELDS, after="batch_tokens", micro_batch_size=8, seq_len=256, precision="fp32")
 class TrainingConfig:
-    """`micro_batch_size`, `seq_len`, `precision` and `recompute` are the layout's (`planning.layout`);
+    """`micro_batch_size`, `seq_len`, `precision`, `recompute` and `compile` are the layout's (`planning.layout`);
     its gradient accumulation is derived from `batch_tokens` (`Config.grad_accum_steps`)."""
 
     steps: int = option(200, "optimizer steps", minimum=1)
@@ -99,8 +99,6 @@ class TrainingConfig:
     grad_clip: float = option(1.0, "global-norm clipping; 0 disables (the norm is still logged)")
     z_loss: float = option(0.0, "PaLM z-loss coefficient (1e-4 in Chowdhery et al. 2022); 0 disables")
     seed: int = option(0, "seeds the weights, the data order and sampling")
-    compile: bool = option(False, "torch.compile each transformer block (after recompute, before FSDP/DDP; not "
-                                  "yet with tp); docs/performance.md")
     cpu_linear: str = option("aten", "fp32 linear layers on a CPU: aten (torch's own), or opt in to onednn (oneDNN's "
                                      "matmul, up to 2x torch's MKL sgemm on AMD CPUs; refused with the reason where "
                                      "it cannot run); docs/performance.md", choices=("aten", "onednn"))

@@ -140,6 +140,19 @@ def compute_efficiency(shape, layout, peak: float, hbm: float, efficiency: float
 # every byte of the rank's model states and writes all but the gradients (AdamW: master, two moments,
 # the compute copy); each micro-batch after the first reads and writes the accumulated gradients.
 #
+# Under compile (`parallel/compile.py`: Inductor fuses each block's elementwise work, forward and
+# backward, into a few loops; the matmuls and attention stay library kernels) each fused loop reads
+# its inputs and writes its outputs once, per token and layer: the two norms with the residual adds
+# (the first norm reads x and writes its output; the second reads x and the attention's output,
+# whose sum it does not keep; the last add reads x and both branches and writes the sum:
+# (4r + 5p)·h' | backward, the norms' input and weight gradients with the residual gradient and the
+# matmul input-gradient sums folded in: (9r + 10p)·h'), rotary 2p·(q + kv) each way, SwiGLU 3p·f |
+# 5p·f. The casts fold into the norms. A CPU's fp32 attention under bf16 (`attention_fp32`) adds
+# rotary's fp32 output, v's cast and fp32 copies of q, k and v in the kernel's layout, the output's
+# cast back: (16q + 24kv) | (8q + 8kv). Counted against Inductor's own byte count of the kernels it
+# generates for a block (`tests/planning/test_plan_compute.py`). The compiled loss (whole logits) makes
+# 4 passes over the logits in their own dtype: the two forward reductions, backward's read and write.
+#
 # Each kind of work — "layer" (a block's, the list above), "loss", "optimizer" — takes
 #     calls × latency + bytes / bandwidth
 # with the kind's rate from `ultratron bench comm`'s profile where it measured one (the model's own
@@ -167,6 +180,8 @@ def layer_elementwise_bytes(shape, layout) -> dict[str, tuple[float, float]]:
         f += moe * expert_ffn_dim_of(shape) * (field_of(shape, "n_active_experts")
                                                + (field_of(shape, "n_shared_experts") or 0))
     f /= t
+    if layout.compile:
+        return _compiled_layer_bytes(layout, dt, hs, q, kv, f)
     updown = 12 if r < 4 else 0
     rope_casts = 12 if p < 4 else 0
     cast_in = (2 * 6 * h / t if sp else 5 * 6 * h) if dt.casts else 0.0
@@ -177,6 +192,17 @@ def layer_elementwise_bytes(shape, layout) -> dict[str, tuple[float, float]]:
            "casts": (cast_in, cast_in + 3 * 3 * (4 if dt.casts else r) * h)}
     if layout.precision != "fp32" and layout.attention_fp32:
         out["attention"] = (6 * (2 * q + 2 * kv),) * 2
+    return out
+
+
+def _compiled_layer_bytes(layout, dt, hs: float, q: float, kv: float, f: float) -> dict[str, tuple[float, float]]:
+    """`layer_elementwise_bytes` of a block that torch.compile fused (comment above, "Under compile")."""
+    r, p = dt.residual, dt.compute
+    out = {"norms": ((4 * r + 5 * p) * hs, (9 * r + 10 * p) * hs),
+           "rotary": (2 * p * (q + kv),) * 2,
+           "swiglu": (3 * p * f, 5 * p * f)}
+    if layout.precision != "fp32" and layout.attention_fp32:  # rotary writes fp32, v cast, contiguous
+        out["attention"] = (16 * q + 24 * kv, 8 * q + 8 * kv)     # copies for the kernel, the output cast
     return out
 
 
@@ -196,7 +222,9 @@ def elementwise_parts(shape, layout, memory) -> dict[str, tuple[float, float]]:
         layer_bytes += layers * layer_matmul_params(shape, layout.tp) * 6 * (3 if layout.recompute != "none" else 2)
     parts = {"layer": (layer_bytes, layers * per_token / once)}
     if memory.loss_logits:  # the rank holds the head
-        parts["loss"] = (tokens * LOSS_PASSES * 4 * shape.vocab_size / layout.tp, 1.0)
+        # compiled (whole logits only, `parallel/compile.compiled_loss`): 4 passes of the logits' own dtype
+        passes = 4 * layout.compute_bytes if layout.compile and layout.tp == 1 else LOSS_PASSES * 4
+        parts["loss"] = (tokens * passes * shape.vocab_size / layout.tp, 1.0)
     parts["optimizer"] = (2 * memory.static_bytes - memory.gradients + 2 * (layout.grad_accum - 1) * memory.gradients,
                           1.0)
     return parts

@@ -36,7 +36,7 @@ PRECISIONS = ("bf16", "fp32", "fp8")
 # derives it from training.batch_tokens), nor do the planner's own two fields (see `Layout`).
 PARALLEL_FIELDS = ("dp", "dp_replicate", "zero", "tp", "sp", "pp", "pp_schedule", "pp_virtual_stages", "pp_split",
                    "pp_balance", "cp", "ep")
-STEP_FIELDS = ("micro_batch_size", "seq_len", "precision", "recompute")
+STEP_FIELDS = ("micro_batch_size", "seq_len", "precision", "recompute", "compile")
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,9 @@ class Layout:
     precision: str = option("bf16", "bf16: bf16 autocast compute, fp32 master weights; fp8: bf16 plus the blocks' "
                                     "linear layers in fp8 (torchao float8; docs/precision.md)", choices=PRECISIONS)
     recompute: str = option("none", "activation recomputation", choices=RECOMPUTE)
+    compile: bool = option(False, "torch.compile each transformer block and the loss (after recompute, before "
+                                  "FSDP/DDP; the trainer not yet with tp); the planner prices the fused kernels; "
+                                  "docs/performance.md")
     fp32_grad_accum: bool = option(False, "price the Megatron-LM convention instead of the trainer's: bf16 "
                                           "weights, fp32 main gradients (no bf16 copy), fp32 master weights")
     # like Megatron's --attention-softmax-in-fp32; ultratron does this for bf16 on CPU
