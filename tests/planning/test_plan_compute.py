@@ -183,6 +183,9 @@ def test_compiled_blocks_and_loss_by_hand():
     parts = elementwise_parts(shape, lay, mem)
     assert parts["layer"][0] == pytest.approx(tokens * 2 * (forward + backward))
     assert parts["loss"][0] == pytest.approx(tokens * 4 * 2 * 32000)  # 4 passes over bf16 logits
+    # selective recompute runs the fused norms, rotary and SwiGLU forward again
+    again = elementwise_parts(shape, dataclasses.replace(lay, recompute="selective"), mem)
+    assert again["layer"][0] - parts["layer"][0] == pytest.approx(tokens * 2 * forward)
     eager = elementwise_parts(shape, dataclasses.replace(lay, compile=False), mem)
     assert eager["loss"][0] == pytest.approx(tokens * 6 * 4 * 32000) and eager["layer"][0] > 2 * parts["layer"][0]
     # under tp the logits are vocab-sharded and the loss runs eagerly (`compiled_loss`)

@@ -214,7 +214,7 @@ def elementwise_parts(shape, layout, memory) -> dict[str, tuple[float, float]]:
     again = {"none": (), "selective": ("norms", "rotary", "swiglu", "casts"),
              "full": tuple(per_layer)}[layout.recompute]
     once = sum(f + b for f, b in per_layer.values())
-    per_token = once + sum(per_layer[kind][0] for kind in again)
+    per_token = once + sum(per_layer[kind][0] for kind in again if kind in per_layer)
     tokens = layout.micro_batch_size * layout.seq_len / layout.cp
     layers = memory.extra.get("layers_on_stage", shape.n_layers)
     layer_bytes = tokens * layers * per_token
