@@ -23,15 +23,16 @@ def _benchmark():
 def test_torchtitan_rows_recompute_every_second_matmul_at_their_bandwidth():
     bench = _benchmark()
     assert bench.TITAN_HBM == 2.4e12  # the file's "2.4 TB/sec peak memory bandwidth"
-    name, model, gpu, layout, _ = bench.PUBLISHED[0]
-    assert layout.recompute == "selective" and layout.zero == 3 and layout.dp == 8
+    name, model, layout, op_sac, _ = bench.PUBLISHED[0]
+    assert layout.recompute == "selective" and layout.zero == 3 and layout.dp == 8 and op_sac
     from dataclasses import replace
 
     from ultratron.planning.hardware import get_accelerator
     from ultratron.planning.search import SearchSpec
 
     shape = PRESETS[model]
-    spec = SearchSpec(shape, replace(get_accelerator(gpu), memory_bw=bench.TITAN_HBM), 8, 8, 8 * 2 * 8192, 8192)
+    spec = SearchSpec(shape, replace(get_accelerator("h100-sxm"), memory_bw=bench.TITAN_HBM), 8, 8, 8 * 2 * 8192,
+                      8192)
     est = estimate_step(spec, layout)
     # by hand: q, k, v, o, gate+up and down of every layer, forward, for the 16,384 tokens; half of them again
     h, hd = shape.dim, shape.dim // shape.n_heads
@@ -40,3 +41,31 @@ def test_torchtitan_rows_recompute_every_second_matmul_at_their_bandwidth():
     expected = 0.5 * per_token * 2 * 8192 / (est.efficiency * 989.4e12)
     assert bench.titan_op_sac_s(spec, est) == pytest.approx(expected)
     assert 0.05 < expected / est.step_s < 0.2  # about a sixth of the matmuls' share of the step
+    # at the SXM peak the row is that step; a lower peak only lengthens it
+    tokens, _ = bench.predict_published(model, layout, op_sac, 989.4e12)
+    assert tokens == pytest.approx(8 * 2 * 8192 / (est.step_s + expected) / 8)
+    assert bench.predict_published(model, layout, op_sac, 835.5e12)[0] < tokens
+
+
+def test_under_tensor_parallel_op_sac_gathers_the_shard_again():
+    """torchtitan's op-level SAC does not save the all-gathers' outputs: the forward's two per layer
+    (half of the step's tp all-gathers: two forward, two backward) run again, exposed."""
+    from dataclasses import replace
+
+    from ultratron.planning.compute import layer_matmuls
+    from ultratron.planning.hardware import get_accelerator
+    from ultratron.planning.search import SearchSpec
+
+    bench = _benchmark()
+    name, model, layout, op_sac, _ = next(row for row in bench.PUBLISHED if row[2].tp > 1 and row[3])
+    assert layout.sp and layout.compile
+    shape = PRESETS[model]
+    spec = SearchSpec(shape, replace(get_accelerator("h100-sxm"), memory_bw=bench.TITAN_HBM), layout.n_gpus, 8,
+                      layout.dp * layout.micro_batch_size * layout.seq_len, layout.seq_len)
+    est = estimate_step(spec, layout)
+    gathers = [c for c in est.collectives if c.axis == "tp" and c.op == "all-gather"]
+    assert len(gathers) == 1 and gathers[0].calls == 4 * shape.n_layers
+    tokens = layout.micro_batch_size * layout.seq_len
+    matmuls = 0.5 * sum(2 * m * k * n * c for m, k, n, c in layer_matmuls(shape, tokens, 8)) * shape.n_layers
+    again = matmuls / (est.efficiency * 989.4e12) + gathers[0].seconds / 2
+    assert bench.titan_op_sac_s(spec, est) == pytest.approx(again)
