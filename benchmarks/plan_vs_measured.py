@@ -42,43 +42,64 @@ LOCAL = {  # name: the sweep's layout words (4 processes; the tiny model's batch
     "zero3 dp4": "dp=4 zero=3",
 }
 
-# Published runs whose layout is fully known (bf16), all torchtitan's own benchmark files on the same
-# machines — Grand Teton: 8 H100 a host on NVLink, 96 GB HBM2e "with 2.4 TB/sec peak memory
-# bandwidth" at the default 500 W, 400 Gb/s per GPU between hosts; seq 8192 (its Llama-3 configs):
+# Published runs whose layout is fully known, from torchtitan's own benchmark files (seq 8192, its
+# Llama-3 configs; tokens/s per GPU). Most ran on one kind of machine, Grand Teton: 8 H100 a host on
+# NVLink, 96 GB HBM2e "with 2.4 TB/sec peak memory bandwidth" at the default 500 W, 400 Gb/s per GPU
+# between hosts:
 #   benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: Llama-3.1-8B, FSDP over 8 and over
-#     128 H100, local batch 2, selective activation checkpointing, eager and with torch.compile;
-#   benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, the "None (bfloat16)", vanilla TP column:
-#     Llama-3-70B on 256 H100, FSDP 32 × TP 8, torch.compile, full activation checkpointing, local
-#     batch 16; Llama-3-8B on 64 H100, FSDP 8 × TP 8, torch.compile, per-op SAC, local batch 12.
-# (Their Float8 and async-TP rows are left out: the planner prices neither torchao's fp8 kernels'
-# rate nor async TP's overlap.) torchtitan's TP is sequence-parallel (its norms run on the sequence
-# shard); its loss is compiled with the blocks under torch.compile. Like with like:
-#   - the peak: the file says its 500 W HBM2e parts' dense peak lies between the H100 SXM's and the
-#     H100 NVL's and is not known. Each run is predicted at both ends — the SXM table's 989.4 TFLOP/s
-#     and the NVL's 835.5 (NVIDIA H100 datasheet, NVL column: 1,671 TFLOP/s bf16 with sparsity) — and
-#     at their geometric middle, whose ratio is the one quoted;
-#   - the file's 2.4 TB/s in place of the SXM's HBM3 3.35 TB/s;
+#     128 H100, local batch 2, selective activation checkpointing, eager, torch.compile, and
+#     torch.compile + Float8;
+#   benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, vanilla TP column: Llama-3-70B on 256 H100,
+#     FSDP 32 × TP 8, torch.compile, full activation checkpointing, local batch 16; Llama-3-8B on 64
+#     H100, FSDP 8 × TP 8, torch.compile, per-op SAC, local batch 12; bf16 and float8 tensorwise.
+# One ran on H200s at their datasheet figures: benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md,
+# Llama-3.1-8B, FSDP over 32 and 64 H200, local batch 2, torch.compile + Float8 (fp8 all-gathers),
+# the config's per-op SAC. (Async TP's rows are left out: the planner does not price its overlap;
+# the Float8 rowwise rows too: the trainer's fp8 default is tensorwise.) torchtitan's TP is
+# sequence-parallel (its norms run on the sequence shard); its loss is compiled with the blocks. Like
+# with like:
+#   - Grand Teton's peak: the file says its 500 W HBM2e parts' dense peak lies between the H100
+#     SXM's and the H100 NVL's and is not known. Each of those runs is predicted at both ends — the
+#     SXM table's 989.4 TFLOP/s and the NVL's 835.5 (NVIDIA H100 datasheet, NVL column: 1,671
+#     TFLOP/s bf16 with sparsity), fp8 twice each — and at their geometric middle, whose ratio is
+#     the one quoted; with the file's 2.4 TB/s in place of the SXM's HBM3 3.35 TB/s;
 #   - torchtitan's selective checkpointing as its default `selective_ac_option = "op"` runs it — the
 #     outputs of matmuls, attention and reduce-scatters kept except every second matmul's, so about
-#     half of each block's matmul forward and its elementwise ops run again — modelled as our
-#     selective recompute (norms, rotary and SwiGLU again) plus half the layers' matmul forward FLOPs
-#     at the layout's compute rate (`titan_op_sac_s`).
+#     half of each block's matmul forward and its elementwise ops run again, and under TP the
+#     forward's all-gathers — modelled as our selective recompute (norms, rotary and SwiGLU again)
+#     plus half the layers' matmul forward FLOPs at the layout's compute rate and the gathers again
+#     (`titan_op_sac_s`).
 TITAN_HBM = 2.4e12
 H100_PEAKS = (("SXM", 989.4e12), ("NVL", 835.5e12))
 _8B_FSDP = dict(zero=3, micro_batch_size=2, grad_accum=1, seq_len=8192, recompute="selective")
-PUBLISHED = (  # name, preset, layout, torchtitan's op-level SAC, tokens/s/GPU
-    ("torchtitan Llama-3.1-8B, FSDP 8 H100, eager", "llama3-8b", Layout(dp=8, **_8B_FSDP), True, 5762.0),
-    ("torchtitan Llama-3.1-8B, FSDP 128 H100, eager", "llama3-8b", Layout(dp=128, **_8B_FSDP), True, 5605.0),
-    ("torchtitan Llama-3.1-8B, FSDP 8 H100, compile", "llama3-8b", Layout(dp=8, compile=True, **_8B_FSDP), True,
-     6667.0),
-    ("torchtitan Llama-3.1-8B, FSDP 128 H100, compile", "llama3-8b", Layout(dp=128, compile=True, **_8B_FSDP), True,
-     6514.0),
-    ("torchtitan Llama-3-8B, FSDP 8 x TP 8, 64 H100, compile", "llama3-8b",
-     Layout(dp=8, tp=8, sp=True, zero=3, micro_batch_size=12, grad_accum=1, seq_len=8192, recompute="selective",
-            compile=True), True, 4378.0),
-    ("torchtitan Llama-3-70B, FSDP 32 x TP 8, 256 H100, compile", "llama3-70b",
-     Layout(dp=32, tp=8, sp=True, zero=3, micro_batch_size=16, grad_accum=1, seq_len=8192, recompute="full",
-            compile=True), False, 597.3),
+_8B_TP8 = dict(dp=8, tp=8, sp=True, zero=3, micro_batch_size=12, grad_accum=1, seq_len=8192, recompute="selective",
+               compile=True)
+_70B_TP8 = dict(dp=32, tp=8, sp=True, zero=3, micro_batch_size=16, grad_accum=1, seq_len=8192, recompute="full",
+                compile=True)
+PUBLISHED = (  # name, preset, machine, layout, torchtitan's op-level SAC, tokens/s/GPU
+    ("torchtitan 8B, FSDP 8 H100, eager", "llama3-8b", "grand-teton", Layout(dp=8, **_8B_FSDP), True, 5762.0),
+    ("torchtitan 8B, FSDP 128 H100, eager", "llama3-8b", "grand-teton", Layout(dp=128, **_8B_FSDP), True, 5605.0),
+    ("torchtitan 8B, FSDP 8 H100, compile", "llama3-8b", "grand-teton", Layout(dp=8, compile=True, **_8B_FSDP),
+     True, 6667.0),
+    ("torchtitan 8B, FSDP 128 H100, compile", "llama3-8b", "grand-teton", Layout(dp=128, compile=True, **_8B_FSDP),
+     True, 6514.0),
+    ("torchtitan 8B, FSDP 8 x TP 8, 64 H100, compile", "llama3-8b", "grand-teton", Layout(**_8B_TP8), True, 4378.0),
+    ("torchtitan 70B, FSDP 32 x TP 8, 256 H100, compile", "llama3-70b", "grand-teton", Layout(**_70B_TP8), False,
+     597.3),
+)
+PUBLISHED_FP8 = (  # the same with Float8 (tensorwise): the planner's fp8 matmul rate is not measured
+    ("torchtitan 8B, FSDP 8 H100, compile+fp8", "llama3-8b", "grand-teton",
+     Layout(dp=8, compile=True, precision="fp8", **_8B_FSDP), True, 8532.0),
+    ("torchtitan 8B, FSDP 128 H100, compile+fp8", "llama3-8b", "grand-teton",
+     Layout(dp=128, compile=True, precision="fp8", **_8B_FSDP), True, 8380.0),
+    ("torchtitan 8B, FSDP 8 x TP 8, 64 H100, compile+fp8", "llama3-8b", "grand-teton",
+     Layout(precision="fp8", **_8B_TP8), True, 5078.1),
+    ("torchtitan 70B, FSDP 32 x TP 8, 256 H100, compile+fp8", "llama3-70b", "grand-teton",
+     Layout(precision="fp8", **_70B_TP8), False, 809.8),
+    ("trainy 8B, FSDP 32 H200, compile+fp8", "llama3-8b", "h200",
+     Layout(dp=32, compile=True, precision="fp8", **_8B_FSDP), True, 10938.0),
+    ("trainy 8B, FSDP 64 H200, compile+fp8", "llama3-8b", "h200",
+     Layout(dp=64, compile=True, precision="fp8", **_8B_FSDP), True, 10753.0),
 )
 
 
@@ -194,13 +215,13 @@ def main() -> None:
             median_predicted = statistics.median(c[1] for c in cells if c and c[1])
             rows.append((case, median_measured, median_predicted, cells[-1][2] if cells[-1] else ""))
         print()
-    for name, model, layout, op_sac, tokens_per_s in PUBLISHED:
-        predicted = {}
-        for label, peak in (*H100_PEAKS, ("middle", (H100_PEAKS[0][1] * H100_PEAKS[1][1]) ** 0.5)):
-            tokens, parts = predict_published(model, layout, op_sac, peak)
-            predicted[label] = tokens
-        bounds = " / ".join(f"{label} peak {predicted[label] / tokens_per_s:.2f}" for label, _ in H100_PEAKS)
-        rows.append((f"{name} (tokens/s/GPU)", tokens_per_s, predicted["middle"], f"{bounds}; middle: {parts}"))
+    for name, model, machine, layout, op_sac, tokens_per_s in PUBLISHED + PUBLISHED_FP8:
+        peaks = H100_PEAKS if machine == "grand-teton" else (("datasheet", None),)
+        predicted = {label: predict_published(model, machine, layout, op_sac, peak)[0] for label, peak in peaks}
+        middle = None if len(peaks) == 1 else (peaks[0][1] * peaks[1][1]) ** 0.5
+        tokens, parts = predict_published(model, machine, layout, op_sac, middle)
+        bounds = " / ".join(f"{label} peak {predicted[label] / tokens_per_s:.2f}" for label, _ in peaks)
+        rows.append((f"{name} (tokens/s/GPU)", tokens_per_s, tokens, f"{bounds}; {parts}"))
     print(f"{'case (local: medians over runs)':58s} {'measured':>10s} {'predicted':>10s} {'pred/meas':>9s}  "
           "predicted parts (last run)")
     for name, measured, predicted, parts in rows:
@@ -210,13 +231,19 @@ def main() -> None:
                                                            strict=True)) for r in rows], indent=1))
 
 
-def predict_published(model: str, layout: Layout, op_sac: bool, peak: float) -> tuple[float, str]:
-    """Tokens/s/GPU `estimate_step` predicts for a published run on its H100s at a dense bf16 `peak`
-    (the notes above `PUBLISHED`), and the step's parts."""
-    h100 = get_accelerator("h100-sxm")
-    acc = replace(h100, memory_bw=TITAN_HBM, flops={**h100.flops, "bf16": peak})
+def predict_published(model: str, machine: str, layout: Layout, op_sac: bool,
+                      peak: float | None) -> tuple[float, str]:
+    """Tokens/s/GPU `estimate_step` predicts for a published run, and the step's parts: on Grand
+    Teton's H100s at a dense bf16 `peak` (fp8 twice it) and their file's HBM bandwidth, on H200s at
+    the table's figures (the notes above `PUBLISHED`)."""
+    if machine == "grand-teton":
+        h100 = get_accelerator("h100-sxm")
+        acc = replace(h100, memory_bw=TITAN_HBM, flops={**h100.flops, "bf16": peak, "fp8": 2 * peak})
+    else:
+        acc = get_accelerator(machine)
     spec = SearchSpec(PRESETS[model], acc, layout.n_gpus, 8,
-                      layout.dp * layout.micro_batch_size * layout.grad_accum * layout.seq_len, layout.seq_len)
+                      layout.dp * layout.micro_batch_size * layout.grad_accum * layout.seq_len, layout.seq_len,
+                      precision=layout.precision)
     est = estimate_step(spec, layout)
     extra = titan_op_sac_s(spec, est) if op_sac else 0.0
     parts = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in _parts(est).items() if v > 0.01 * est.step_s)

@@ -1,6 +1,7 @@
 """benchmarks/plan_vs_measured.py's published rows: torchtitan's runs priced like with like (their
 op-level selective checkpointing, their HBM2e bandwidth), by hand."""
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -23,7 +24,7 @@ def _benchmark():
 def test_torchtitan_rows_recompute_every_second_matmul_at_their_bandwidth():
     bench = _benchmark()
     assert bench.TITAN_HBM == 2.4e12  # the file's "2.4 TB/sec peak memory bandwidth"
-    name, model, layout, op_sac, _ = bench.PUBLISHED[0]
+    name, model, machine, layout, op_sac, _ = bench.PUBLISHED[0]
     assert layout.recompute == "selective" and layout.zero == 3 and layout.dp == 8 and op_sac
     from dataclasses import replace
 
@@ -42,9 +43,9 @@ def test_torchtitan_rows_recompute_every_second_matmul_at_their_bandwidth():
     assert bench.titan_op_sac_s(spec, est) == pytest.approx(expected)
     assert 0.05 < expected / est.step_s < 0.2  # about a sixth of the matmuls' share of the step
     # at the SXM peak the row is that step; a lower peak only lengthens it
-    tokens, _ = bench.predict_published(model, layout, op_sac, 989.4e12)
+    tokens, _ = bench.predict_published(model, machine, layout, op_sac, 989.4e12)
     assert tokens == pytest.approx(8 * 2 * 8192 / (est.step_s + expected) / 8)
-    assert bench.predict_published(model, layout, op_sac, 835.5e12)[0] < tokens
+    assert bench.predict_published(model, machine, layout, op_sac, 835.5e12)[0] < tokens
 
 
 def test_under_tensor_parallel_op_sac_gathers_the_shard_again():
@@ -57,7 +58,7 @@ def test_under_tensor_parallel_op_sac_gathers_the_shard_again():
     from ultratron.planning.search import SearchSpec
 
     bench = _benchmark()
-    name, model, layout, op_sac, _ = next(row for row in bench.PUBLISHED if row[2].tp > 1 and row[3])
+    name, model, _, layout, op_sac, _ = next(row for row in bench.PUBLISHED if row[3].tp > 1 and row[4])
     assert layout.sp and layout.compile
     shape = PRESETS[model]
     spec = SearchSpec(shape, replace(get_accelerator("h100-sxm"), memory_bw=bench.TITAN_HBM), layout.n_gpus, 8,
@@ -69,3 +70,19 @@ def test_under_tensor_parallel_op_sac_gathers_the_shard_again():
     matmuls = 0.5 * sum(2 * m * k * n * c for m, k, n, c in layer_matmuls(shape, tokens, 8)) * shape.n_layers
     again = matmuls / (est.efficiency * 989.4e12) + gathers[0].seconds / 2
     assert bench.titan_op_sac_s(spec, est) == pytest.approx(again)
+
+
+def test_fp8_rows_price_the_matmuls_at_the_fp8_peak():
+    """The Float8 rows run at their precision: the blocks' matmuls at the fp8 peak, twice the bf16
+    one on Grand Teton's H100s at either end of its range, the H200's own table figure there."""
+    bench = _benchmark()
+    bf16 = {row[0]: row for row in bench.PUBLISHED}
+    fp8 = bench.PUBLISHED_FP8[0]
+    twin = bf16[fp8[0].replace("+fp8", "")]
+    assert fp8[3].precision == "fp8" and twin[3] == dataclasses.replace(fp8[3], precision="bf16")
+    for peak in (989.4e12, 835.5e12):
+        fast, _ = bench.predict_published(fp8[1], fp8[2], fp8[3], fp8[4], peak)
+        slow, _ = bench.predict_published(twin[1], twin[2], twin[3], twin[4], peak)
+        assert 1.2 < fast / slow < 2  # the matmuls twice as fast, the rest of the step as it was
+    h200 = next(row for row in bench.PUBLISHED_FP8 if row[2] == "h200")
+    assert bench.predict_published(h200[1], h200[2], h200[3], h200[4], None)[0] > 0
