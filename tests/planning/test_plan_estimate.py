@@ -150,3 +150,16 @@ def test_fp8_gathers_one_byte_weights_and_runs_the_blocks_matmuls_at_the_fp8_pea
     assert fp8["compute_efficiency"] == pytest.approx(efficiency)
     code, _, err = plan(capsys, "estimate", "--model", "llama3-8b", "--gpu", "a100-80gb", "--precision", "fp8")
     assert code != 0 and "no fp8 peak for A100 80GB" in err
+
+
+def test_estimate_prices_compile_and_flags_fp8_as_an_upper_bound(capsys):
+    """`--compile` prices the fused kernels: less elementwise time, the matmuls the same; under fp8
+    the table is followed by the note that its matmul rate is not measured."""
+    flags = ("--dp", "8", "--zero", "3", "--seq", "8192", "--mbs", "2", "--gpu", "h100-sxm")
+    eager, compiled = estimate_json(capsys, *flags), estimate_json(capsys, *flags, "--compile")
+    assert compiled["time"]["compute_s"] == pytest.approx(eager["time"]["compute_s"])
+    assert compiled["time"]["elementwise_s"] < 0.5 * eager["time"]["elementwise_s"]
+    code, out, _ = plan(capsys, "estimate", "--model", "llama3-8b", *flags, "--precision", "fp8")
+    assert code == 0 and "fp8: the blocks' matmuls are priced at the fp8 peak" in out
+    code, out, _ = plan(capsys, "estimate", "--model", "llama3-8b", *flags)
+    assert code == 0 and "fp8" not in out

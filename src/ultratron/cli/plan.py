@@ -338,6 +338,10 @@ def run_estimate(args) -> int:
     print(step_table(est))
     for reason in est.reasons[2:]:
         print(f"   - {reason}")
+    if layout.precision == "fp8":
+        print("   - fp8: the blocks' matmuls are priced at the fp8 peak with bf16's efficiency, a rate not yet "
+              "measured; published fp8 runs came out 1.2-1.6x slower than this predicts: read it as an upper "
+              "bound (docs/planning.md)")
     return 0
 
 
