@@ -141,6 +141,8 @@ class Layout:
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
         parts += [f"mbs={self.micro_batch_size}", f"ga={self.grad_accum}", f"recompute={self.recompute}"]
+        if self.compile:
+            parts.append("compile")
         return " ".join(parts)
 
 
