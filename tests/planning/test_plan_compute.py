@@ -193,6 +193,35 @@ def test_compiled_blocks_and_loss_by_hand():
     assert elementwise_parts(shape, tp, estimate_memory(shape, tp))["loss"][0] == pytest.approx(tokens * 6 * 4 * 16000)
 
 
+def test_fp8_casts_by_hand():
+    """Under fp8 each block linear's input (forward) and output gradient (backward) is cast to fp8 in
+    both layouts — eager 2p + 3 bytes an element, compiled p + 2 — and each micro-batch casts the fp32
+    weights, 14 bytes an element (under ZeRO-3 on the shard, plus 2 for the gathered weight's copy)."""
+    from ultratron.planning.activations import layer_matmul_params
+    from ultratron.planning.compute import elementwise_parts, layer_elementwise_bytes
+    from ultratron.planning.memory import estimate_memory
+
+    shape = ModelShape(n_layers=2, dim=1024, n_heads=8, n_kv_heads=2, ffn_dim=4096, vocab_size=32000,
+                       tie_embeddings=False, rope_theta=1e4, max_seq_len=2048)
+    lay = Layout(tp=2, sp=True, micro_batch_size=2, seq_len=2048, precision="fp8")
+    h, q, kv, f = 1024, 1024 / 2, 256 / 2, 4096 / 2
+    inputs, grad_outputs = 3 * h + q + 2 * h + f, q + 2 * kv + h + 2 * f + h
+    assert layer_elementwise_bytes(shape, lay)["fp8 casts"] == pytest.approx((7 * inputs, 7 * grad_outputs))
+    compiled = dataclasses.replace(lay, compile=True)
+    assert layer_elementwise_bytes(shape, compiled)["fp8 casts"] == pytest.approx((4 * inputs, 4 * grad_outputs))
+    assert "fp8 casts" not in layer_elementwise_bytes(shape, dataclasses.replace(lay, precision="bf16"))
+    # the weights: 14 bytes an element per micro-batch (not autocast's 6 + 6); ZeRO-3 over 4: 14/4 + 2
+    weights = 2 * layer_matmul_params(shape, 2)
+    tokens = 4096
+    per_token = sum(a + b for a, b in layer_elementwise_bytes(shape, lay).values())
+    parts = elementwise_parts(shape, lay, estimate_memory(shape, lay))
+    assert parts["layer"][0] == pytest.approx(tokens * 2 * per_token + 14 * weights)
+    sharded = dataclasses.replace(lay, dp=4, zero=3)
+    per_token = sum(a + b for a, b in layer_elementwise_bytes(shape, sharded).values())
+    parts = elementwise_parts(shape, sharded, estimate_memory(shape, sharded))
+    assert parts["layer"][0] == pytest.approx(tokens * 2 * per_token + (14 / 4 + 2) * weights)
+
+
 def _compiled_block_traffic(dtype, batch=8, dim=64, heads=4, kv_heads=2, ffn=192, seq=32) -> list[float]:
     """Bytes Inductor's own count gives the kernels it generates for a compiled block (the fused
     loops; not the matmuls and attention it calls), per compiled graph: [forward, backward]."""

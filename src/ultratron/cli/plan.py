@@ -340,7 +340,7 @@ def run_estimate(args) -> int:
         print(f"   - {reason}")
     if layout.precision == "fp8":
         print("   - fp8: the blocks' matmuls are priced at the fp8 peak with bf16's efficiency, a rate not yet "
-              "measured; published fp8 runs came out 1.2-1.6x slower than this predicts: read it as an upper "
+              "measured; published fp8 runs came out 1.15-1.4x slower than this predicts: read it as an upper "
               "bound (docs/planning.md)")
     return 0
 

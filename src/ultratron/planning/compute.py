@@ -153,6 +153,17 @@ def compute_efficiency(shape, layout, peak: float, hbm: float, efficiency: float
 # generates for a block (`tests/planning/test_plan_compute.py`). The compiled loss (whole logits) makes
 # 4 passes over the logits in their own dtype: the two forward reductions, backward's read and write.
 #
+# fp8 (`parallel/float8.py`: torchao's Float8Linear, tensorwise scales; the casting kernels as
+# torchao's own roofline model, torchao/testing/training/roofline_utils.py, lists them): each
+# linear layer of a block casts its input in forward and its output gradient in backward to fp8,
+# both memory layouts its matmuls need: eager, the amax pass (p bytes an element), the cast (p
+# read, 1 written) and the transposed copy (1 + 1), 2p + 3; compiled, the amax folds into the
+# kernel that made the tensor and one kernel writes both layouts, p + 2. Inputs per token:
+# 3h (q, k, v) + q (o) + 2h (gate, up) + f (down); output gradients q + 2kv + h + 2f + h. Each
+# micro-batch also casts the fp32 weights: their amax and a forward and a backward cast, 14 bytes an
+# element (`FP8_WEIGHT_CAST`); under ZeRO-3 on the shard before FSDP gathers it in fp8, and the
+# gathered weight's transposed copy, 2 bytes an element.
+#
 # Each kind of work — "layer" (a block's, the list above), "loss", "optimizer" — takes
 #     calls × latency + bytes / bandwidth
 # with the kind's rate from `ultratron bench comm`'s profile where it measured one (the model's own
@@ -161,6 +172,7 @@ def compute_efficiency(shape, layout, peak: float, hbm: float, efficiency: float
 # GPU's HBM datasheet figure). A call is one layer's forward + backward (recompute repeats the share
 # of it that it runs again), one micro-batch's loss, one optimizer step.
 LOSS_PASSES = 6
+FP8_WEIGHT_CAST = 14  # bytes per fp32 weight element: its amax (4), the forward and backward casts (4 + 1 each)
 KERNEL_KINDS = ("layer", "loss", "optimizer")
 
 
@@ -180,8 +192,9 @@ def layer_elementwise_bytes(shape, layout) -> dict[str, tuple[float, float]]:
         f += moe * expert_ffn_dim_of(shape) * (field_of(shape, "n_active_experts")
                                                + (field_of(shape, "n_shared_experts") or 0))
     f /= t
+    fp8 = _fp8_cast_bytes(layout, p, h, q, kv, f) if layout.precision == "fp8" else {}
     if layout.compile:
-        return _compiled_layer_bytes(layout, dt, hs, q, kv, f)
+        return _compiled_layer_bytes(layout, dt, hs, q, kv, f) | fp8
     updown = 12 if r < 4 else 0
     rope_casts = 12 if p < 4 else 0
     cast_in = (2 * 6 * h / t if sp else 5 * 6 * h) if dt.casts else 0.0
@@ -192,7 +205,15 @@ def layer_elementwise_bytes(shape, layout) -> dict[str, tuple[float, float]]:
            "casts": (cast_in, cast_in + 3 * 3 * (4 if dt.casts else r) * h)}
     if layout.precision != "fp32" and layout.attention_fp32:
         out["attention"] = (6 * (2 * q + 2 * kv),) * 2
-    return out
+    return out | fp8
+
+
+def _fp8_cast_bytes(layout, p: int, h: float, q: float, kv: float, f: float) -> dict[str, tuple[float, float]]:
+    """Per token: the fp8 casts of the blocks' linear layers' activations (comment above, "fp8")."""
+    per_element = p + 2 if layout.compile else 2 * p + 3
+    inputs = 3 * h + q + 2 * h + f  # q, k, v; o; gate, up; down (q, kv, f already split by tp)
+    grad_outputs = q + 2 * kv + h + 2 * f + h
+    return {"fp8 casts": (per_element * inputs, per_element * grad_outputs)}
 
 
 def _compiled_layer_bytes(layout, dt, hs: float, q: float, kv: float, f: float) -> dict[str, tuple[float, float]]:
@@ -218,8 +239,11 @@ def elementwise_parts(shape, layout, memory) -> dict[str, tuple[float, float]]:
     tokens = layout.micro_batch_size * layout.seq_len / layout.cp
     layers = memory.extra.get("layers_on_stage", shape.n_layers)
     layer_bytes = tokens * layers * per_token
-    if dtypes_of(layout).casts:  # autocast's copy of each matmul weight: forward (again under recompute), backward
-        layer_bytes += layers * layer_matmul_params(shape, layout.tp) * 6 * (3 if layout.recompute != "none" else 2)
+    weights = layers * layer_matmul_params(shape, layout.tp)
+    if layout.precision == "fp8":  # each micro-batch casts the fp32 weights to fp8 (comment above)
+        layer_bytes += weights * (FP8_WEIGHT_CAST / layout.shard_group + 2 if layout.zero == 3 else FP8_WEIGHT_CAST)
+    elif dtypes_of(layout).casts:  # autocast's copy of each matmul weight: forward (again under recompute), backward
+        layer_bytes += weights * 6 * (3 if layout.recompute != "none" else 2)
     parts = {"layer": (layer_bytes, layers * per_token / once)}
     if memory.loss_logits:  # the rank holds the head
         # compiled (whole logits only, `parallel/compile.compiled_loss`): 4 passes of the logits' own dtype
