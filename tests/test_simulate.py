@@ -175,3 +175,29 @@ def test_dtensor_sharding_propagation_is_not_counted_as_the_ranks_memory():
 
     out = subprocess.run([sys.executable, "-c", _IN_PLACE], capture_output=True, text=True, timeout=300, check=True)
     assert int(out.stdout.split()[-1]) == 0, out.stdout
+
+
+@pytest.mark.parametrize("sp,recompute", [("true", "none"), ("true", "selective"), ("false", "full")])
+def test_the_planners_tensor_parallel_collectives_are_the_steps(sp, recompute):
+    """`planning.comm.step_collectives` counts what the real step issues under tp=2: per layer 6
+    gathers under sp (the kept shards gathered again in backward, or recompute's), 4 reductions and
+    one more under recompute, and the ends' (embedding, head); each call the whole activation's
+    bytes (a gather's input is its shard)."""
+    from ultratron.config import load_config
+    from ultratron.planning.comm import Link, Network, step_collectives
+    from ultratron.planning.memory import estimate_memory
+    from ultratron.simulate.run import planned_layout
+
+    flags = SMALL + ["--parallel.tp", "2", "--parallel.sp", sp, "--training.recompute", recompute,
+                     "--training.batch_tokens", "512"]
+    (rank,) = simulate(None, flags)["ranks"]
+    cfg = load_config(None, flags)
+    layout = planned_layout(cfg)
+    activation = 4 * cfg.training.micro_batch_size * cfg.training.seq_len * cfg.model.dim  # fp32, whole
+    net = Network(8, Link(1e11, 1e-5), Link(1e10, 1e-5))
+    collectives = step_collectives(cfg.model, layout, estimate_memory(cfg.model, layout), net)
+    planned = {c.op.replace("-", "_"): c for c in collectives if c.axis == "tp"}
+    assert all(c.nbytes == activation for c in planned.values())
+    issued = {op: sum(c["op"] == op and c["bytes"] * (2 if op == "all_gather" else 1) == activation
+                      for c in rank["collectives"]) for op in planned}
+    assert issued == {op: c.calls for op, c in planned.items()}

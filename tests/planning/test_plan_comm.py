@@ -46,17 +46,30 @@ def test_tensor_parallel_collectives_by_hand():
     lay = Layout(tp=8, sp=True, micro_batch_size=2, grad_accum=4, seq_len=4096)
     found = collectives(lay)
     activation = 2 * 2 * 4096 * 4096  # bf16 × mbs × seq × dim
-    for op in ("all-gather", "reduce-scatter"):
+    # per layer 2 forward + 2 backward, and 2 more gathers (backward gathers the kept shards again),
+    # 32 layers, 4 micro-batches; one rank holds both ends: 1 + 2 gathers, 1 + 1 reductions
+    for op, calls in (("all-gather", (6 * 32 + 3) * 4), ("reduce-scatter", (4 * 32 + 2) * 4)):
         c = only(found, "tp", op)
         assert c.nbytes == activation and c.group == 8 and not c.spans_nodes
-        assert c.calls == 4 * 32 * 4  # 2 forward + 2 backward per layer, 32 layers, 4 micro-batches
+        assert c.calls == calls
         assert c.seconds == pytest.approx(c.calls * (activation * 7 / 8 / 450e9 + 10e-6))
         assert c.hidden_by == ""  # on the critical path
+    # recompute: the gathers run again in its forward instead; the first reduction too
     full = collectives(Layout(tp=8, sp=True, micro_batch_size=2, grad_accum=4, seq_len=4096, recompute="full"))
-    assert only(full, "tp", "all-gather").calls == 6 * 32 * 4  # the forward's again
+    assert only(full, "tp", "all-gather").calls == (6 * 32 + 3) * 4
+    assert only(full, "tp", "reduce-scatter").calls == (5 * 32 + 2) * 4
     plain = only(collectives(Layout(tp=4, micro_batch_size=2, grad_accum=4, seq_len=4096)), "tp", "all-reduce")
-    assert plain.calls == 4 * 32 * 4 and plain.seconds == pytest.approx(plain.calls * (activation * 2 * 3 / 4 / 450e9
-                                                                                         + 10e-6))
+    assert plain.calls == (4 * 32 + 2) * 4
+    assert plain.seconds == pytest.approx(plain.calls * (activation * 2 * 3 / 4 / 450e9 + 10e-6))
+    # under pp the ends are the first and last stages': a middle stage has none
+    from ultratron.planning.memory import estimate_memory_per_rank
+
+    piped = Layout(tp=8, sp=True, pp=4, micro_batch_size=2, grad_accum=4, seq_len=4096)
+    stages = {m.stage: m for m in estimate_memory_per_rank(SHAPE, piped)}
+    for stage, ends in (("first", 1), ("middle", 0), ("last", 2)):
+        memory = stages[stage]
+        gathers = only(step_collectives(SHAPE, piped, memory, NET), "tp", "all-gather")
+        assert gathers.calls == (6 * memory.extra["layers_on_stage"] + ends) * 4, stage
     # tp=8 on nodes of 4 GPUs spans two nodes: the network's bandwidth and latency
     wide = only(collectives(lay, net=Network(4, NET.intra, NET.inter)), "tp", "all-gather")
     assert wide.spans_nodes and wide.seconds == pytest.approx(wide.calls * (activation * 7 / 8 / 50e9 + 30e-6))

@@ -143,15 +143,26 @@ def step_collectives(shape, layout, memory, net: Network) -> list[Collective]:
     forwards = 2 if layout.recompute == "full" else 1  # full recompute runs each forward twice
     activation = p * tokens * h
     if t > 1:
+        # per layer (counted against `ultratron simulate`'s record): the forward's 2 gathers or
+        # reductions and their gradients' 2 in backward; under sp backward gathers the two kept shards
+        # again (`parallel.tensor.KeepSequenceShard`) or recompute runs those gathers again, and
+        # recompute reruns the first of the block's two reductions (the second's output is not needed:
+        # the recomputation stops before it). The ends: the embedding's output reduced (sp: scattered,
+        # and its gradient gathered) on the first stage; the head's input gathered, its gradient
+        # reduced and under sp gathered again in backward on the last.
+        again = layout.recompute != "none"
+        first, last = memory.stage in ("only", "first", "first+last"), memory.stage in ("only", "last", "first+last")
         if layout.sp:
-            for op in ("all-gather", "reduce-scatter"):
-                out.append(_collective(net, "tp", op, f"activations {op} per layer (2 forward, 2 backward"
-                                       + (", 2 recomputed)" if forwards == 2 else ")"),
-                                       activation, m * layers * 2 * (forwards + 1), t, 1))
+            out.append(_collective(net, "tp", "all-gather", "activations per layer (2 forward, 2 backward, 2 again: "
+                                   + ("recomputed" if again else "the kept shards") + ") and at the ends",
+                                   activation, m * (layers * 6 + first + 2 * last), t, 1))
+            out.append(_collective(net, "tp", "reduce-scatter", "activations per layer (2 forward, 2 backward"
+                                   + (", 1 recomputed" if again else "") + ") and at the ends", activation,
+                                   m * (layers * (4 + again) + first + last), t, 1))
         else:
             out.append(_collective(net, "tp", "all-reduce", "activations per layer (2 forward, 2 backward"
-                                   + (", 2 recomputed)" if forwards == 2 else ")"),
-                                   activation, m * layers * 2 * (forwards + 1), t, 1))
+                                   + (", 1 recomputed" if again else "") + ") and at the ends", activation,
+                                   m * (layers * (4 + again) + first + last), t, 1))
     if cp > 1:
         block = p * tokens * 2 * shape.n_kv_heads * _head_dim(shape) / t
         hops = layers * (cp - 1)
