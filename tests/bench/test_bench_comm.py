@@ -97,8 +97,9 @@ def test_fit_kernels_recovers_rates_and_latencies_by_hand():
     shape, b, s, rate, hbm = PRESETS["tiny"], 2, 64, 50e9, 10e9
     tokens = b * s
 
-    def products(m: int, seq: int) -> float:  # one tiny layer: qkv, output, gate+up, down; attention 12·s·h
-        mm = [(m, 256, 512), (m, 256, 256), (m, 256, 1536), (m, 768, 256)]
+    def products(m: int, seq: int) -> float:  # one tiny layer: q, k, v, output, gate, up, down; attention 12·s·h
+        mm = [(m, 256, 256), (m, 256, 128), (m, 256, 128), (m, 256, 256), (m, 256, 768), (m, 256, 768),
+              (m, 768, 256)]
         return sum(3 * matmul_seconds(*p, rate, hbm, 4, 1.0) for p in mm) + 12 * 256 * seq * m / 20e9
 
     head = lambda m: 3 * matmul_seconds(m, 256, 4096, rate, hbm, 4, 1.0)  # noqa: E731

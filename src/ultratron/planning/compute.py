@@ -21,7 +21,8 @@ docs/planning.md:
     the same products run slower than alone. With each model's step priced as the planner prices it,
     products and attention plus the elementwise kernels (`elementwise_bytes`, at the HBM bandwidth),
     the one constant 0.575 (the geometric-mean fit over these five runs, not per layout) predicts
-    their tokens/s at 0.93, 0.89, 0.98, 1.03 and 1.17 × the measured. (It was 0.645 while the fit
+    their tokens/s at 0.93, 0.89, 0.98, 1.03 and 1.16 × the measured, the products being the model's
+    own linear layers (`layer_matmuls`: wq, wk, wv, wo, w1, w3, w2). (It was 0.645 while the fit
     priced the products and attention alone and counted attention over the model width instead of
     heads × head dim, which the emulated ranks' shapes separate: their ratios then ran 0.89–1.20.)
 
@@ -69,11 +70,12 @@ def layer_matmuls(shape, tokens: float, tp: int, ep: int = 1) -> list[tuple[floa
     """(M, K, N, how many) of one average layer's forward products on a rank, for `tokens` tokens."""
     h, hd = shape.dim, head_dim_of(shape)
     q, kv = shape.n_heads * hd, shape.n_kv_heads * hd
-    out = [(tokens, h, (q + 2 * kv) / tp, 1), (tokens, q / tp, h, 1)]  # qkv, output projection
+    # the model's own linear layers (`models.llama`): wq, wk and wv, the output projection
+    out = [(tokens, h, q / tp, 1), (tokens, h, kv / tp, 2), (tokens, q / tp, h, 1)]
     moe = moe_layer_share(shape) if is_moe(shape) else 0.0
     if moe < 1:
         f = shape.ffn_dim / tp
-        out += [(tokens, h, 2 * f, 1 - moe), (tokens, f, h, 1 - moe)]  # gate+up, down (SwiGLU)
+        out += [(tokens, h, f, 2 * (1 - moe)), (tokens, f, h, 1 - moe)]  # gate and up (w1, w3), down (SwiGLU)
     if moe:
         experts, k = shape.n_experts, field_of(shape, "n_active_experts")
         fe = expert_ffn_dim_of(shape) / tp
