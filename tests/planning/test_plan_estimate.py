@@ -163,3 +163,13 @@ def test_estimate_prices_compile_and_flags_fp8_as_an_upper_bound(capsys):
     assert code == 0 and "fp8: the blocks' matmuls are priced at the fp8 peak" in out
     code, out, _ = plan(capsys, "estimate", "--model", "llama3-8b", *flags)
     assert code == 0 and "fp8" not in out
+
+
+def test_the_step_table_writes_bytes_in_si_units(capsys):
+    """A collective's size per call: 1.00GB, not the parameter counts' 1.00B with a unit after it."""
+    from ultratron.cli.plan_output import human
+
+    assert human(8.03e9) == "8.03B" and human(1.0e9, "B") == "1.00GB" and human(2.5e6, "B") == "2.50MB"
+    code, out, _ = plan(capsys, "estimate", "--model", "llama3-8b", "--dp", "8", "--zero", "3", "--seq", "8192",
+                        "--mbs", "2", "--gpu", "h100-sxm")
+    assert code == 0 and "1.00GB" in out and "BB" not in out  # the fp32 gradients' reduce-scatter per block

@@ -13,7 +13,8 @@ def gib(value: float) -> str:
 
 
 def human(value: float, unit: str = "") -> str:
-    for threshold, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+    """1.23B parameters or tokens (counts: billions); with a unit, SI: 1.23GB, not 1.23BB."""
+    for threshold, suffix in ((1e12, "T"), (1e9, "G" if unit else "B"), (1e6, "M"), (1e3, "K")):
         if abs(value) >= threshold:
             return f"{value / threshold:.2f}{suffix}{unit}"
     return f"{value:.0f}{unit}"
