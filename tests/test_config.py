@@ -119,7 +119,7 @@ def test_compile_under_tensor_parallel_is_refused_before_anything_compiles():
     # it fails in backward after minutes of compiling (docs/parallel.md); with tp=1 or eager it runs
     assert problems_of(["--training.compile", "true", "--parallel.tp", "2"]) == [
         "training.compile does not yet work with parallel.tp=2: the compiled blocks' backward fails in DTensor's "
-        "redistribute (a plain gradient where a DTensor is due); use training.compile=false or tp=1"]
+        "redistribute (a plain gradient where a DTensor is due); use training.compile=false or parallel.tp=1"]
     assert load_config(None, ["--training.compile", "true", "--parallel.dp", "2"]).training.compile
     assert load_config(None, ["--parallel.tp", "2"]).parallel.tp == 2
 

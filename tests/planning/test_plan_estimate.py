@@ -173,3 +173,19 @@ def test_the_step_table_writes_bytes_in_si_units(capsys):
     code, out, _ = plan(capsys, "estimate", "--model", "llama3-8b", "--dp", "8", "--zero", "3", "--seq", "8192",
                         "--mbs", "2", "--gpu", "h100-sxm")
     assert code == 0 and "1.00GB" in out and "BB" not in out  # the fp32 gradients' reduce-scatter per block
+
+
+def test_search_with_compile_proposes_only_what_the_trainer_compiles(capsys, tmp_path):
+    """The trainer does not yet compile blocks under tensor parallel: `plan search --compile` keeps to
+    tp = 1, and the config it writes loads; `plan estimate` prices compile with tp (torchtitan runs
+    it) and says the trainer cannot run it yet."""
+    from ultratron.config import load_config
+
+    out = tmp_path / "best.toml"
+    code, text, _ = plan(capsys, "search", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--compile",
+                         "--seq", "8192", "--batch-tokens", str(2**20), "--top", "3", "--out", str(out))
+    assert code == 0 and "tp=1 " in text and "tp=2" not in text and "tp=4" not in text and "tp=8" not in text
+    cfg = load_config(out)
+    assert cfg.training.compile and cfg.parallel.tp == 1
+    code, text, _ = plan(capsys, "estimate", "--model", "llama3-8b", "--tp", "8", "--compile", "--gpu", "h100-sxm")
+    assert code == 0 and "priced, but not yet for ultratron's trainer: compile does not yet work with tp=8" in text

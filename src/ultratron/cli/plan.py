@@ -37,7 +37,7 @@ from ultratron.planning.lora import TARGETS as LORA_TARGETS
 from ultratron.planning.lora import adapter_params
 from ultratron.planning.memory import ACTIVATION_MODELS, GiB, MemoryBreakdown, estimate_memory_per_rank
 from ultratron.planning.params import count_params_of
-from ultratron.planning.rules import shape_problems
+from ultratron.planning.rules import shape_problems, short_name, trainer_limits
 
 # A shape field no estimate reads (the config `plan search` writes does) stands in for itself when
 # neither --model nor its flag gives it: Llama 3's RoPE base; max_seq_len: the longest sequence planned.
@@ -338,6 +338,8 @@ def run_estimate(args) -> int:
     print(step_table(est))
     for reason in est.reasons[2:]:
         print(f"   - {reason}")
+    for limit in trainer_limits(layout, short_name):
+        print(f"   - priced, but not yet for ultratron's trainer: {limit}")
     if layout.precision == "fp8":
         print("   - fp8: the blocks' matmuls are priced at the fp8 peak with bf16's efficiency, a rate not yet "
               "measured; published fp8 runs came out 1.15-1.4x slower than this predicts: read it as an upper "
@@ -394,6 +396,9 @@ def run_search(args) -> int:
     spec = SearchSpec(shape, acc, args.gpus, per_node, args.batch_tokens, seq_len, precision, args.headroom,
                       efficiency, activation_model=args.activation_model, fixed=fixed, network=network)
     result = search(spec, top=args.top)
+    if not result.best and fixed.get("compile"):
+        result.summary.append("compile rules out tensor parallel (the trainer does not yet compile blocks under "
+                              "tp > 1): without --compile, layouts with tp are searched too")
     wrote = None
     if result.best and args.out != "-":
         path = Path(args.out)

@@ -20,7 +20,6 @@ from ultratron.config.loader import (
     read_toml,
 )
 from ultratron.config.training_rules import (
-    compile_problems,
     document_problems,
     fp8_problems,
     profile_problems,
@@ -31,7 +30,7 @@ from ultratron.errors import ConfigError
 from ultratron.fields import option, take_fields, taken_from
 from ultratron.models.presets import PRESETS, ModelShape
 from ultratron.planning.layout import PARALLEL_FIELDS, STEP_FIELDS, Layout, check_layout
-from ultratron.planning.rules import config_name, shape_problems
+from ultratron.planning.rules import config_name, shape_problems, trainer_limits
 
 ROPE_SCALINGS = ("none", "linear", "llama3")
 # The numbers each RoPE scaling needs (Llama 3.1's config.json names them so).
@@ -360,7 +359,7 @@ def validate(cfg: Config) -> None:
     p += shape_problems(m) + rope_scaling_problems(m)
     micro = cfg.tokens_per_micro_batch * par.dp
     p += check_layout(m, cfg.layout, config_name, fields=False, grad_accum_from=None if t.batch_tokens % micro else
-                      "training.batch_tokens ÷ (micro_batch_size × seq_len × dp)")
+                      "training.batch_tokens ÷ (micro_batch_size × seq_len × dp)") + trainer_limits(cfg.layout)
     if t.seq_len > m.max_seq_len:
         p.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if t.batch_tokens % micro:
@@ -368,7 +367,6 @@ def validate(cfg: Config) -> None:
         p.append(f"training.batch_tokens={t.batch_tokens} is not divisible by micro_batch_size × seq_len × dp = "
                  f"{t.micro_batch_size} × {t.seq_len} × {par.dp} = {micro}; try {lower} or {lower + micro}")
     p += ramp_problems(cfg, micro, p) + profile_problems(t.profile_steps) + fp8_problems(cfg) + document_problems(cfg)
-    p += compile_problems(cfg)
     if cfg.lora.rank > 0:
         if not m.init_from:
             p.append("lora.rank > 0 trains adapters on a model's own weights: give the model with "

@@ -1,6 +1,6 @@
-"""Rules of four training fields: `training.batch_ramp` (the ramp itself: `training/batch_ramp.py`),
-`training.profile_steps` (`training/profiling.py`), `training.precision fp8` (`parallel/float8.py`)
-and `training.compile` (`parallel/compile.py`). The layout's rules are the planner's
+"""Rules of three training fields: `training.batch_ramp` (the ramp itself: `training/batch_ramp.py`),
+`training.profile_steps` (`training/profiling.py`) and `training.precision fp8` (`parallel/float8.py`).
+The layout's rules, `training.compile`'s with tensor parallel among them, are the planner's
 (`planning.layout.check_layout`). Torch-free."""
 
 from __future__ import annotations
@@ -74,17 +74,6 @@ def fp8_problems(cfg) -> list[str]:
     if t.cpu_linear != "aten":
         p.append("training.precision=fp8 converts torch's own linear layers; use training.cpu_linear=aten")
     return p
-
-
-def compile_problems(cfg) -> list[str]:
-    """training.compile under tensor parallel: the compiled blocks run forward, but backward fails in
-    DTensor's redistribute (measured on torch 2.13, CPU; docs/parallel.md), so it is refused before
-    minutes of compiling."""
-    tp = cfg.parallel.tp
-    if not cfg.training.compile or tp == 1:
-        return []
-    return [f"training.compile does not yet work with parallel.tp={tp}: the compiled blocks' backward fails in "
-            "DTensor's redistribute (a plain gradient where a DTensor is due); use training.compile=false or tp=1"]
 
 
 def document_problems(cfg) -> list[str]:

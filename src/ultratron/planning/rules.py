@@ -58,6 +58,18 @@ def degree_problems(layout, name: Namer = config_name) -> list[str]:
     return p
 
 
+def trainer_limits(layout, name: Namer = config_name) -> list[str]:
+    """What the trainer cannot run yet, though the planner prices it (another framework runs it):
+    compile under tensor parallel — the compiled blocks run forward, but backward fails (torch 2.13,
+    CPU; docs/parallel.md). The config refuses it before minutes of compiling; `plan search` never
+    proposes it; `plan estimate` prices it and says so."""
+    if layout.compile and layout.tp > 1:
+        return [f"{name('training.compile')} does not yet work with {name('parallel.tp')}={layout.tp}: the "
+                "compiled blocks' backward fails in DTensor's redistribute (a plain gradient where a DTensor is "
+                f"due); use {name('training.compile')}=false or {name('parallel.tp')}=1"]
+    return []
+
+
 def data_parallel_wrapper(dp: int, zero: int, tp: int = 1, pp: int = 1, dp_replicate: int = 1, ep: int = 1) -> str:
     """How the trainer runs data parallelism for a layout (`parallel/data.py`), `dp` the ranks
     it spans (dp·cp under context parallel): "none" (1 rank), "ddp" (zero 0, and zero 1 with

@@ -40,7 +40,7 @@ from ultratron.planning.memory import GiB, MemoryBreakdown, estimate_memory
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import LOOPED, SCHEDULES, SINGLE, stage_costs, stage_ranks, stage_split
 from ultratron.planning.pipeline import bubble_fraction as bubble_fraction_of
-from ultratron.planning.rules import head_dim_of, layout_problems, pipeline_problems
+from ultratron.planning.rules import head_dim_of, layout_problems, pipeline_problems, trainer_limits
 
 SELECTIVE_RECOMPUTE_OVERHEAD = 0.02
 
@@ -185,13 +185,14 @@ SEARCHED = ("dp", "zero", "tp", "pp", "pp_schedule", "pp_virtual_stages", "cp", 
 
 def constrained_layouts(spec: SearchSpec):
     """The layouts the search considers under `spec.fixed`: those it chooses with the fixed values,
-    and the fixed values of the fields it never varies set (then checked by the trainer's rules again)."""
+    and the fixed values of the fields it never varies set (then checked by the trainer's rules again,
+    and its limits: `rules.trainer_limits`)."""
     chosen = {k: v for k, v in spec.fixed.items() if k in SEARCHED}
     given = {k: v for k, v in spec.fixed.items() if k not in SEARCHED}
     for layout in enumerate_layouts(spec):
         if all(getattr(layout, k) == v for k, v in chosen.items()):
             layout = replace(layout, **given)
-            if not given or not check_layout(spec.shape, layout):
+            if (not given or not check_layout(spec.shape, layout)) and not trainer_limits(layout):
                 yield layout
 
 
