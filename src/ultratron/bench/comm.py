@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ultratron.bench.timing import seconds_of
 from ultratron.models.presets import PRESETS
 from ultratron.planning.comm import OPS
 from ultratron.planning.profile import FORMAT, fit_kernels, fit_profile, write_profile
@@ -84,14 +85,7 @@ def matmul_rate(device, dtype, size: int, repeat: int) -> float:
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     a @ b
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(times)
+    return 2 * size**3 / statistics.median(seconds_of(lambda: a @ b, device) for _ in range(repeat))
 
 
 def memory_rate(device, dtype, nbytes: int, repeat: int) -> float:
@@ -99,14 +93,8 @@ def memory_rate(device, dtype, nbytes: int, repeat: int) -> float:
     n = max(nbytes // torch.empty((), dtype=dtype).element_size(), 1)
     a, b, c = (torch.ones(n, device=device, dtype=dtype) for _ in range(3))
     torch.add(a, b, out=c)
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        torch.add(a, b, out=c)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 3 * n * a.element_size() / statistics.median(times)
+    return 3 * n * a.element_size() / statistics.median(seconds_of(lambda: torch.add(a, b, out=c), device)
+                                                        for _ in range(repeat))
 
 
 def cores_available() -> int:

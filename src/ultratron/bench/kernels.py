@@ -15,23 +15,15 @@ holding the embedding and the head (token ids in, logits out).
 from __future__ import annotations
 
 import statistics
-import time
 from contextlib import nullcontext
 from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
 
+from ultratron.bench.timing import seconds_of
 from ultratron.models import registry
 from ultratron.planning.rules import head_dim_of
-
-
-def _seconds(run, device) -> float:
-    start = time.perf_counter()
-    run()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def kernel_measurements(model: str, shape, micro_batch: int, seq: int, device, precision: str,
@@ -49,8 +41,8 @@ def kernel_measurements(model: str, shape, micro_batch: int, seq: int, device, p
         run()  # warm-up
         ratios = []
         for _ in range(repeat):
-            product = _seconds(lambda: left @ right, device)
-            ratios.append(_seconds(run, device) / product)
+            product = seconds_of(lambda: left @ right, device)
+            ratios.append(seconds_of(run, device) / product)
         return statistics.median(ratios) * 2 * size**3 / rate
 
     torch.manual_seed(0)

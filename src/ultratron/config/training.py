@@ -19,12 +19,7 @@ from ultratron.config.loader import (
     did_you_mean,
     read_toml,
 )
-from ultratron.config.training_rules import (
-    document_problems,
-    fp8_problems,
-    profile_problems,
-    ramp_problems,
-)
+from ultratron.config.training_rules import document_problems, fp8_problems, profile_problems, ramp_problems
 from ultratron.data.mixture_spec import parse_mixture
 from ultratron.errors import ConfigError
 from ultratron.fields import option, take_fields, taken_from

@@ -151,7 +151,7 @@ def step_collectives(shape, layout, memory, net: Network) -> list[Collective]:
         # and its gradient gathered) on the first stage; the head's input gathered, its gradient
         # reduced and under sp gathered again in backward on the last.
         again = layout.recompute != "none"
-        first, last = memory.stage in ("only", "first", "first+last"), memory.stage in ("only", "last", "first+last")
+        first, last = memory.extra["first"], memory.extra["last"]
         if layout.sp:
             out.append(_collective(net, "tp", "all-gather", "activations per layer (2 forward, 2 backward, 2 again: "
                                    + ("recomputed" if again else "the kept shards") + ") and at the ends",

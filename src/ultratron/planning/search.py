@@ -91,7 +91,7 @@ class Estimate:
     stage_imbalance: float = 1.0  # slowest pipeline rank's FLOPs over the mean rank's
     collectives: list[Collective] = field(default_factory=list)  # planning.comm.step_collectives
     exposed: list[float] = field(default_factory=list)  # each collective's seconds on the critical path
-    elementwise_s: float = 0.0  # norms, residuals, rotary, SwiGLU, the loss: bytes at memory bandwidth
+    elementwise_s: float = 0.0  # norms, residuals, rotary, SwiGLU, the loss (planning.compute.kernel_seconds)
     optimizer_s: float = 0.0  # the optimizer step's reads and writes of the model states
     core_share: float = 1.0  # ranks per node × threads ÷ cores, at least 1 (a CPU's shared cores)
     measured_kernels: bool = False  # elementwise work and the optimizer at a profile's measured rates

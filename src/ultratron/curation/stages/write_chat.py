@@ -49,9 +49,10 @@ def run(ctx: StageContext) -> dict:
         name = None
         for part in list_parts(ctx.out_dir):
             for _, record, _problem in iter_records(part):
-                if str(chat_file(record["source"])) != name:
+                source = str(chat_file(record["source"]))
+                if source != name:
                     current.close()  # the previous source's file, renamed into place whole
-                    name = str(chat_file(record["source"]))
+                    name = source
                     if name in counts:
                         raise RuntimeError(f"write-chat: the conversations of {name} do not come together")
                     (out / name).parent.mkdir(parents=True, exist_ok=True)
