@@ -82,11 +82,8 @@ MODELS = (  # name, layers, dim, heads, kv heads, ffn, seq, micro-batch, vocab, 
 def models(device: str, repeat: int) -> list[dict]:
     from ultratron.models.llama.model import Llama, LlamaArgs
     from ultratron.models.presets import ModelShape
-    from ultratron.planning.compute import compute_efficiency, elementwise_bytes
-    from ultratron.planning.flops import flops_per_token_of
+    from ultratron.planning.compute import one_gpu_step_seconds
     from ultratron.planning.hardware import find_accelerator
-    from ultratron.planning.layout import Layout
-    from ultratron.planning.memory import estimate_memory
 
     acc = find_accelerator(torch.cuda.get_device_name()) if device == "cuda" else None
     rows = []
@@ -104,16 +101,11 @@ def models(device: str, repeat: int) -> list[dict]:
         seconds = _timed(step, device, repeat)
         shape = ModelShape(n_layers=layers, dim=dim, n_heads=heads, n_kv_heads=kv, ffn_dim=ffn, vocab_size=vocab,
                            tie_embeddings=False, rope_theta=5e5, max_seq_len=seq, head_dim=head_dim)
-        flops = flops_per_token_of(shape, seq)
-        row = {"name": name, "seconds": seconds, "tokens_per_s": mbs * seq / seconds}
-        if acc is not None:  # as the planner prices a step: products and attention, then the elementwise kernels
-            peak = acc.flops["bf16"]
-            compute = mbs * seq * flops / (compute_efficiency(shape, Layout(micro_batch_size=mbs, seq_len=seq),
-                                                              peak, acc.memory_bw) * peak)
-            # bf16 weights and stream, as FSDP2's mixed precision runs them (the layout only sets the dtypes)
-            bf16 = Layout(dp=2, zero=3, micro_batch_size=mbs, seq_len=seq)
-            elementwise = elementwise_bytes(shape, bf16, estimate_memory(shape, bf16))[0] / acc.memory_bw
-            row["predicted_tokens_per_s"] = mbs * seq / (compute + elementwise)
+        row = {"name": name, "layers": layers, "dim": dim, "heads": heads, "kv": kv, "ffn": ffn, "seq": seq,
+               "mbs": mbs, "vocab": vocab, "head_dim": head_dim, "seconds": seconds,
+               "tokens_per_s": mbs * seq / seconds}
+        if acc is not None:  # as the planner prices a step (planning.compute.one_gpu_step_seconds)
+            row["predicted_tokens_per_s"] = mbs * seq / one_gpu_step_seconds(shape, mbs, seq, acc)
         rows.append(row)
         print(row, flush=True)
         del model

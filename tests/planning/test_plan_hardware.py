@@ -33,3 +33,30 @@ def test_unknown_device_gives_zero_with_reason():
     assert value == 0.0 and "unknown device" in source
     with pytest.raises(UserError, match="known: h100-sxm"):
         get_accelerator("Voodoo2")
+
+
+def test_links_and_memory_are_priced_at_what_nccl_and_kernels_reach():
+    import argparse
+
+    from ultratron.cli.plan import resolve_hardware
+
+    h100 = get_accelerator("h100-sxm")
+    # NCCL's bus bandwidth on 8 H100 is 360 GB/s of NVLink's 450; kernels stream at 0.92 of HBM's 3.35 TB/s
+    assert h100.intra_node_busbw == pytest.approx(360e9) and h100.hbm_bw == pytest.approx(0.92 * 3.35e12)
+    assert get_accelerator("h200").intra_node_busbw == pytest.approx(360e9)
+    # PCIe and Infinity Fabric nodes have no published NCCL figure: their datasheet rate
+    assert get_accelerator("h100-pcie").intra_node_busbw == 64e9
+    assert get_accelerator("mi300x").intra_node_busbw == 448e9
+
+    def hardware(*flags):
+        args = argparse.Namespace(gpu="h100-sxm", profile=None, efficiency=None, peak_tflops=None, memory_gib=None,
+                                  nvlink_gbs=None, network_gbs=None, hbm_gbs=None, nvlink_latency_us=None,
+                                  network_latency_us=None, gpus_per_node=None)
+        for name, value in zip(flags[::2], flags[1::2], strict=True):
+            setattr(args, name, value)
+        return resolve_hardware(args)[0]
+
+    # a figure given on the command line is what the links and kernels reach: no fraction on top
+    given = hardware("nvlink_gbs", 300.0, "hbm_gbs", 3000.0)
+    assert given.intra_node_busbw == pytest.approx(300e9) and given.hbm_bw == pytest.approx(3000e9)
+    assert hardware().intra_node_busbw == pytest.approx(360e9)

@@ -90,14 +90,15 @@ def test_cost_model_terms_by_hand():
     flops_per_token = 6 * (counts.layers + shape.vocab_size * shape.dim) + 12 * 32 * 4096 * 8192
     lay = Layout(dp=8, zero=1, micro_batch_size=1, grad_accum=16, seq_len=8192)
     est = estimate_step(spec, lay)
-    efficiency = compute_efficiency(shape, lay, 989.4e12, H100.memory_bw)  # (by hand: test_plan_compute.py)
+    efficiency = compute_efficiency(shape, lay, 989.4e12, H100.hbm_bw)  # (by hand: test_plan_compute.py)
     assert est.compute_s == pytest.approx(MILLION * flops_per_token / (8 * 989.4e12 * efficiency))
     # DDP + ZeRO-1: fp32 gradients all-reduced in 25 MB buckets (all but the last hidden behind the last
-    # backward), then each of the 8 ranks broadcasts its updated fp32 share (exposed); 10 µs per call
+    # backward), then each of the 8 ranks broadcasts its updated fp32 share (exposed); 10 µs per call,
+    # NVLink at the 360 GB/s bus bandwidth NCCL reaches on 8 H100 (planning.hardware)
     grads = 4 * counts.total
     buckets = math.ceil(grads / 25e6)
-    bucket = grads / buckets * 2 * 7 / 8 / 450e9 + 10e-6
-    broadcast = 8 * (grads / 8 / 450e9 + 10e-6)
+    bucket = grads / buckets * 2 * 7 / 8 / 360e9 + 10e-6
+    broadcast = 8 * (grads / 8 / 360e9 + 10e-6)
     assert est.dp_comm_s == pytest.approx(buckets * bucket + broadcast)
     assert est.dp_exposed_s == pytest.approx(bucket + broadcast)
     assert est.step_s == pytest.approx(est.compute_s + est.elementwise_s + est.dp_exposed_s + est.optimizer_s)

@@ -106,9 +106,11 @@ def _hardware_arguments(parser: argparse.ArgumentParser) -> None:
     hw = parser.add_argument_group("hardware figures (required with --gpu custom; else they override the table)")
     hw.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s of the layout's precision")
     hw.add_argument("--memory-gib", type=float, help="GPU memory, GiB")
-    hw.add_argument("--nvlink-gbs", type=float, help="bus bandwidth inside a node, GB/s per GPU")
+    hw.add_argument("--nvlink-gbs", type=float, help="bus bandwidth NCCL reaches inside a node, GB/s per GPU "
+                                                     "(nccl-tests' busbw; the table takes 0.8 of NVLink's datasheet)")
     hw.add_argument("--network-gbs", type=float, help="bus bandwidth across nodes, GB/s per GPU")
-    hw.add_argument("--hbm-gbs", type=float, help="memory bandwidth, GB/s (default 3350)")
+    hw.add_argument("--hbm-gbs", type=float, help="memory bandwidth kernels reach, GB/s (default: 0.92 of the "
+                                                  "datasheet's; 0.92 × 3350 with --gpu custom)")
     hw.add_argument("--nvlink-latency-us", type=float, help="one collective's latency inside a node (default 10)")
     hw.add_argument("--network-latency-us", type=float, help="one collective's latency across nodes (default 30)")
 
@@ -144,12 +146,12 @@ def resolve_hardware(args):
             acc = with_fields(acc, flops={k: args.peak_tflops * 1e12 for k in acc.flops})
         if args.memory_gib is not None:
             acc = with_fields(acc, memory_bytes=args.memory_gib * GiB)
-        if args.nvlink_gbs is not None:
-            acc = with_fields(acc, intra_node_bw=args.nvlink_gbs * 1e9)
+        if args.nvlink_gbs is not None:  # a measured figure: no datasheet fraction applies
+            acc = with_fields(acc, intra_node_bw=args.nvlink_gbs * 1e9, intra_node_achieved=1.0)
         if args.network_gbs is not None:
             acc = with_fields(acc, inter_node_bw=args.network_gbs * 1e9)
     if args.hbm_gbs is not None:
-        acc = with_fields(acc, memory_bw=args.hbm_gbs * 1e9)
+        acc = with_fields(acc, memory_bw=args.hbm_gbs * 1e9, memory_achieved=1.0)
     if args.nvlink_latency_us is not None:
         acc = with_fields(acc, intra_node_latency=args.nvlink_latency_us * 1e-6)
     if args.network_latency_us is not None:
@@ -342,7 +344,7 @@ def run_estimate(args) -> int:
         print(f"   - priced, but not yet for ultratron's trainer: {limit}")
     if layout.precision == "fp8":
         print("   - fp8: the blocks' matmuls are priced at the fp8 peak with bf16's efficiency, a rate not yet "
-              "measured; published fp8 runs came out 1.15-1.4x slower than this predicts: read it as an upper "
+              "measured; published fp8 runs came out 1.05-1.3x slower than this predicts: read it as an upper "
               "bound (docs/planning.md)")
     return 0
 

@@ -5,26 +5,32 @@ only say how fast those FLOPs run.
 Matmuls. Each of a layer's per-rank products (tokens M of a micro-batch × K in × N out; tp splits
 N of the column-parallel ones and K of the row-parallel ones) takes
 
-    max(2·M·K·N / (MATMUL_EFFICIENCY · peak), 2·(M·K + K·N + M·N) bytes / HBM bandwidth) + MATMUL_OVERHEAD_S
+    max(2·M·K·N / (MATMUL_EFFICIENCY · peak) + p·M·N / HBM, p·(M·K + K·N + M·N) / HBM) + MATMUL_OVERHEAD_S
 
 in forward and twice that in backward (the input and the weight gradient: the same FLOPs, the same
-operands). Measured on one H200 (bf16; `benchmarks/matmul_shapes.py`, 2026-12-04), the data in
-docs/planning.md:
+operands), p bytes an element, HBM the bandwidth kernels reach (`Accelerator.hbm_bw`). The first
+term is the main loop at a fraction of the peak and then the output written back, which the loop
+does not hide: a product with a short K (the row-parallel ones under tp, a micro-batch of few
+tokens) spends a larger share of its time storing its output. The second is a product that only
+streams its operands. Measured on one H200 (bf16; `benchmarks/matmul_shapes.py`, 2026-12-04; the
+data in `benchmarks/data/h200_matmul_shapes.json`, checked by `tests/planning/test_plan_h200_data.py`):
   - products alone, 294 shapes (M 256–16,384, K and N 256–16,384): the best ran at 742 TFLOP/s, 0.75
-    of the 989 TFLOP/s dense peak; `max(flops / (0.70 · peak), bytes / HBM) + 30 µs` fits them all
-    with an RMS error of 10 % (log). The memory term is what makes thin per-rank products (tp 8 and
-    more, a micro-batch of a few hundred tokens) run far below the peak. Its 30 µs per product is a
-    host synchronisation per timed product, which a training step, queuing products back to back,
-    does not pay: 5 µs (a kernel launch) is kept.
+    of the 989 TFLOP/s dense peak. With 0.75 of the peak in the main loop and 30 µs a product the
+    form above fits all 294 within 8.1 % RMS (log; 6.7 % over the 122 that ran longer than 80 µs,
+    whose mean error by K stays within ±4.3 % from K = 256 to 16,384). Without the output term (the
+    larger of the FLOP and byte times) the best fit, 0.70, leaves 10.4 % (11.7 % over the 122) and
+    runs 35 % fast at K = 256, 18 % at K = 512. The 30 µs is a host synchronisation per timed
+    product, which a training step, queuing products back to back, does not pay: 5 µs (a kernel
+    launch) is kept.
   - whole models forward + backward (`--models`: ultratron's Llama, 8B at seq 8192 and at 4 × 2048,
     and one tp=8 rank of the 70B and of the 8B, emulated by their per-rank shapes): inside a model
     the same products run slower than alone. With each model's step priced as the planner prices it,
-    products and attention plus the elementwise kernels (`elementwise_bytes`, at the HBM bandwidth),
-    the one constant 0.575 (the geometric-mean fit over these five runs, not per layout) predicts
-    their tokens/s at 0.93, 0.89, 0.98, 1.03 and 1.16 × the measured, the products being the model's
-    own linear layers (`layer_matmuls`: wq, wk, wv, wo, w1, w3, w2). (It was 0.645 while the fit
-    priced the products and attention alone and counted attention over the model width instead of
-    heads × head dim, which the emulated ranks' shapes separate: their ratios then ran 0.89–1.20.)
+    products and attention plus the elementwise kernels (`elementwise_bytes`, at `hbm_bw`), the one
+    constant 0.61 (the geometric-mean fit over these five runs, not per layout) predicts their
+    tokens/s at 0.96, 0.92, 1.00, 1.02 and 1.13 × the measured, the products being the model's own
+    linear layers (`layer_matmuls`: wq, wk, wv, wo, w1, w3, w2). (Before the output term and the
+    0.92 of the datasheet bandwidth it was 0.575, the ratios 0.95, 0.90, 0.99, 1.03 and 1.17; before
+    attention was counted over heads × head dim, 0.645.)
 
 Attention. Fused causal attention (PyTorch's `scaled_dot_product_attention`, forward + backward,
 32 heads of 128) measured on the same H200, as the rate of the *model* FLOPs the planner counts
@@ -40,9 +46,12 @@ import math
 
 from ultratron.planning.activations import dtypes_of, layer_matmul_params
 from ultratron.planning.experts import is_moe, moe_layer_share
+from ultratron.planning.flops import flops_per_token_of
+from ultratron.planning.layout import Layout
+from ultratron.planning.memory import estimate_memory
 from ultratron.planning.rules import expert_ffn_dim_of, field_of, head_dim_of
 
-MATMUL_EFFICIENCY = 0.575
+MATMUL_EFFICIENCY = 0.61
 MATMUL_OVERHEAD_S = 5e-6
 # (sequence a rank attends over, model-FLOP rate / dense peak): benchmarks/matmul_shapes.py on H200
 ATTENTION_EFFICIENCY = ((512, 0.023), (1024, 0.192), (2048, 0.425), (4096, 0.631), (8192, 0.908),
@@ -63,7 +72,8 @@ def attention_efficiency(seq: float) -> float:
 def matmul_seconds(m: float, k: float, n: float, peak: float, hbm: float, p: int,
                    efficiency: float = MATMUL_EFFICIENCY) -> float:
     """One (m × k) @ (k × n) product's time (module docstring); `p` bytes per element."""
-    return max(2 * m * k * n / (efficiency * peak), p * (m * k + k * n + m * n) / hbm) + MATMUL_OVERHEAD_S
+    loop_and_store = 2 * m * k * n / (efficiency * peak) + p * m * n / hbm
+    return max(loop_and_store, p * (m * k + k * n + m * n) / hbm) + MATMUL_OVERHEAD_S
 
 
 def layer_matmuls(shape, tokens: float, tp: int, ep: int = 1) -> list[tuple[float, float, float, float]]:
@@ -273,3 +283,16 @@ def kernel_seconds(parts: dict[str, tuple[float, float]], kinds, memory_bw: floa
             bandwidth, latency = kernels.get(kind, (memory_bw, 0.0))
             seconds += calls * latency + nbytes / bandwidth
     return seconds
+
+
+def one_gpu_step_seconds(shape, micro_batch: int, seq: int, acc, efficiency: float = MATMUL_EFFICIENCY) -> float:
+    """One micro-batch's forward + backward of `shape` on one GPU, bf16 weights and no optimizer (as
+    `benchmarks/matmul_shapes.py --models` times it), priced as the planner prices a step: products and
+    attention (`compute_efficiency`) plus the elementwise kernels at `acc.hbm_bw`."""
+    peak = acc.flops["bf16"]
+    tokens = micro_batch * seq
+    layout = Layout(micro_batch_size=micro_batch, seq_len=seq)
+    compute = tokens * flops_per_token_of(shape, seq) / (
+        compute_efficiency(shape, layout, peak, acc.hbm_bw, efficiency, acc.attention_table) * peak)
+    bf16 = Layout(dp=2, zero=3, micro_batch_size=micro_batch, seq_len=seq)  # FSDP2's bf16 weights and stream
+    return compute + elementwise_bytes(shape, bf16, estimate_memory(shape, bf16))[0] / acc.hbm_bw

@@ -7,6 +7,16 @@ marketing "GB".
 Bandwidths are per GPU and per direction: `intra_node_bw` over NVLink / Infinity Fabric / PCIe,
 `inter_node_bw` over the network (one NIC per GPU, as in the reference systems named).
 
+The datasheet figures are ceilings that real kernels do not reach; the planner prices work at what
+they do reach (`hbm_bw`, `intra_node_busbw`):
+  - memory: kernels stream at `HBM_ACHIEVED` = 0.92 of the datasheet bandwidth (torchao's roofline
+    model, torchao/testing/training/roofline_utils.py: large pointwise Triton kernels on an H100);
+  - NVLink: NCCL's all-gather and all-reduce on 8 H100 reach a bus bandwidth of 360 GB/s, not the
+    datasheet's 450 a direction (NCCL's developers, NVIDIA/nccl-tests issue 326: "360 GB/s is exactly
+    what we'd expect on H100"): `NVLINK_ACHIEVED` = 0.8. The other NVSwitch nodes (H200, A100, B200)
+    are assumed to reach the same fraction; PCIe, Infinity Fabric and the network have no published
+    NCCL figure here and stay at their datasheet rate. `ultratron bench comm` measures a cluster's own.
+
 The CPU has no datasheet peak: the trainer measures its matmul throughput (`training.mfu`), so MFU
 on a CPU is relative to what its matmul achieves. This module imports no torch.
 """
@@ -20,6 +30,8 @@ from ultratron.errors import UserError
 GiB = 1024**3
 GB = 1e9
 TFLOPS = 1e12
+HBM_ACHIEVED = 0.92  # of the datasheet memory bandwidth (module docstring: torchao's roofline model)
+NVLINK_ACHIEVED = 360 / 450  # NCCL's bus bandwidth on 8 H100 over the datasheet's (module docstring)
 
 
 @dataclass(frozen=True)
@@ -36,7 +48,11 @@ class Accelerator:
     # no datasheet gives. Assumed typical figures; `ultratron bench comm` measures a cluster's own.
     intra_node_latency: float = 10e-6
     inter_node_latency: float = 30e-6
-    memory_bw: float = 3.35e12  # HBM bytes/s (datasheet): what memory-bound small matmuls run at
+    memory_bw: float = 3.35e12  # HBM bytes/s (datasheet)
+    # fractions of the datasheet's memory and intra-node figures that kernels and NCCL reach (module
+    # docstring); 1 for figures that were measured or given as achieved
+    memory_achieved: float = HBM_ACHIEVED
+    intra_node_achieved: float = 1.0
     # attention at the rates measured on an H200 by sequence (planning.compute); False: at the matmul
     # rate (a measured profile of another device, a CPU, where that table does not apply)
     attention_table: bool = True
@@ -51,6 +67,16 @@ class Accelerator:
     # attention's FLOP/s. Empty / 0: elementwise work at `memory_bw`, attention as `attention_table` says.
     kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
     attention_flops: float = 0.0
+
+    @property
+    def hbm_bw(self) -> float:
+        """The memory bandwidth elementwise kernels and memory-bound matmuls run at, bytes/s."""
+        return self.memory_bw * self.memory_achieved
+
+    @property
+    def intra_node_busbw(self) -> float:
+        """The bus bandwidth NCCL's collectives reach inside a node, bytes/s per GPU per direction."""
+        return self.intra_node_bw * self.intra_node_achieved
 
     def core_share(self, ranks_per_node: int) -> float:
         """How many times slower a rank computes when `ranks_per_node` ranks share the node's cores."""
@@ -75,6 +101,7 @@ ACCELERATORS: dict[str, Accelerator] = {
         "NVIDIA H100 datasheet (SXM5): dense BF16 989.4 TFLOP/s, 80 GB HBM3, NVLink 900 GB/s, "
         "DGX H100 400 Gb/s per GPU",
         aliases=("h100", "h100 80gb hbm3", "h100 sxm", "h100-sxm5"), memory_bw=3.35e+12,
+        intra_node_achieved=NVLINK_ACHIEVED,
     ),
     # Same datasheet, PCIe column: BF16 1,513 sparse → 756.5 dense; TF32 378; FP32 51; 80 GB HBM2e.
     # No NVSwitch: GPUs talk over PCIe Gen5 x16 (64 GB/s per direction); assume a 200 Gb/s NIC each.
@@ -89,6 +116,7 @@ ACCELERATORS: dict[str, Accelerator] = {
         "H200 SXM", _flops(989.4, 67.0, 494.7, 1978.9), 140.4 * GiB, 450 * GB, 50 * GB, 8,
         "NVIDIA H200 datasheet (SXM): dense BF16 989.4 TFLOP/s, 141 GB HBM3e, NVLink 900 GB/s",
         aliases=("h200", "h200 sxm", "gh200"), memory_bw=4.8e+12,
+        intra_node_achieved=NVLINK_ACHIEVED,
     ),
     # NVIDIA A100 Tensor Core GPU datasheet (2021): BF16 312 dense (624 sparse), TF32 156, FP32 19.5.
     # NVLink 3: 600 GB/s bidirectional → 300 per direction; DGX A100: 8× HDR 200 Gb/s.
@@ -96,11 +124,13 @@ ACCELERATORS: dict[str, Accelerator] = {
         "A100 40GB", _flops(312.0, 19.5, 156.0), 40.0 * GiB, 300 * GB, 25 * GB, 8,
         "NVIDIA A100 datasheet: dense BF16 312 TFLOP/s, 40 GB HBM2, NVLink 600 GB/s, HDR 200 Gb/s",
         aliases=("a100-sxm4-40gb", "a100 40gb", "a100-pcie-40gb"), memory_bw=1.555e+12,
+        intra_node_achieved=NVLINK_ACHIEVED,
     ),
     "a100-80gb": Accelerator(
         "A100 80GB", _flops(312.0, 19.5, 156.0), 80.0 * GiB, 300 * GB, 25 * GB, 8,
         "NVIDIA A100 datasheet: dense BF16 312 TFLOP/s, 80 GB HBM2e, NVLink 600 GB/s, HDR 200 Gb/s",
         aliases=("a100", "a100-sxm4-80gb", "a100 80gb", "a100 80gb pcie"), memory_bw=2.039e+12,
+        intra_node_achieved=NVLINK_ACHIEVED,
     ),
     # NVIDIA HGX B200 datasheet (2024): FP16/BF16 4.5 PFLOPS with sparsity → 2.25 dense per GPU;
     # TF32 2.2 sparse → 1.1 dense; FP8 9 sparse → 4.5 dense; FP32 600 TFLOPS per 8 GPUs → 75.
@@ -109,6 +139,7 @@ ACCELERATORS: dict[str, Accelerator] = {
         "B200", _flops(2250.0, 75.0, 1100.0, 4500.0), 179.0 * GiB, 900 * GB, 50 * GB, 8,
         "NVIDIA HGX B200 datasheet: dense BF16 2.25 PFLOP/s, 180 GB HBM3e, NVLink 1.8 TB/s",
         aliases=("b200", "hgx b200"), memory_bw=8e+12,
+        intra_node_achieved=NVLINK_ACHIEVED,
     ),
     # AMD Instinct MI300X datasheet (2023): BF16 1,307.4 dense (2,614.9 sparse), TF32 653.7,
     # FP32 163.4, FP8 2,614.9 dense; 192 GB HBM3; 7 Infinity Fabric links × 64 GB/s = 448 GB/s per

@@ -185,6 +185,6 @@ def accelerator_of_profile(profile: dict, memory_gib: float) -> Accelerator:
                        net.inter.bandwidth, profile.get("gpus_per_node", 8),
                        f"measured by ultratron bench comm ({profile.get('backend')}, {profile.get('world_size')} "
                        f"ranks)", intra_node_latency=net.intra.latency, inter_node_latency=net.inter.latency,
-                       memory_bw=bandwidth, attention_table=False, cores=cores,
+                       memory_bw=bandwidth, memory_achieved=1.0, attention_table=False, cores=cores,
                        threads_per_rank=int(profile.get("threads_per_rank") or 1), comm_uses_cores=bool(cores),
                        kernels=kernels, attention_flops=profile.get("attention_flops", 0.0))

@@ -201,7 +201,7 @@ def network_of(spec: SearchSpec) -> Network:
     if spec.network is not None:
         return spec.network
     acc = spec.accelerator
-    return Network(spec.gpus_per_node, Link(acc.intra_node_bw, acc.intra_node_latency),
+    return Network(spec.gpus_per_node, Link(acc.intra_node_busbw, acc.intra_node_latency),
                    Link(acc.inter_node_bw, acc.inter_node_latency))
 
 
@@ -249,7 +249,7 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
         layout.recompute]
     tokens = spec.global_batch_tokens
     width = shape.n_heads * head_dim_of(shape)  # attention's
-    efficiency = compute_efficiency(shape, layout, peak, acc.memory_bw, spec.efficiency, acc.attention_table,
+    efficiency = compute_efficiency(shape, layout, peak, acc.hbm_bw, spec.efficiency, acc.attention_table,
                                     bf16_peak=acc.flops.get("bf16"), attention_flops=acc.attention_flops)
     imbalance = stage_imbalance(shape, layout)
     # ranks sharing a CPU's cores each run at their share of them (1 on a GPU)
@@ -257,8 +257,8 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     compute = share * tokens * model_flops_per_token * hardware_factor * imbalance / (spec.n_gpus * peak * efficiency)
     m = layout.grad_accum
     parts = elementwise_parts(shape, layout, memory)
-    elementwise = share * m * kernel_seconds(parts, ("layer", "loss"), acc.memory_bw, acc.kernels)
-    optimizer = share * kernel_seconds(parts, ("optimizer",), acc.memory_bw, acc.kernels)
+    elementwise = share * m * kernel_seconds(parts, ("layer", "loss"), acc.hbm_bw, acc.kernels)
+    optimizer = share * kernel_seconds(parts, ("optimizer",), acc.hbm_bw, acc.kernels)
     per_micro = compute / m
 
     collectives = step_collectives(shape, layout, memory, network_of(spec))
