@@ -189,3 +189,23 @@ def test_search_with_compile_proposes_only_what_the_trainer_compiles(capsys, tmp
     assert cfg.training.compile and cfg.parallel.tp == 1
     code, text, _ = plan(capsys, "estimate", "--model", "llama3-8b", "--tp", "8", "--compile", "--gpu", "h100-sxm")
     assert code == 0 and "priced, but not yet for ultratron's trainer: compile does not yet work with tp=8" in text
+
+
+def test_gpus_is_checked_against_the_layout_and_not_read_as_gpus_per_node(capsys):
+    # argparse's prefix matching once read `--gpus 64` as `--gpus-per-node 64`: 64 GPUs on one node
+    code, _, err = plan(capsys, "estimate", "--model", "llama3-8b", "--gpus", "64", "--tp", "8", "--seq", "8192")
+    assert code == 2 and "--gpus 64, but the layout (dp 1 × tp 8 × pp 1 × cp 1) uses 8" in err
+    data = estimate_json(capsys, "--gpus", "64", "--dp", "8", "--tp", "8", "--seq", "8192")
+    assert data["n_gpus"] == 64 and data["gpus_per_node"] == 8
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    import subprocess
+    import sys
+
+    # `true` reads nothing and exits: every write the command makes meets a closed pipe
+    script = "import sys; from ultratron.cli import main; sys.exit(main())"
+    run = subprocess.run(f"set -o pipefail; {sys.executable} -c '{script}' plan estimate --model llama3-8b --dp 8 "
+                         "--seq 8192 | true", shell=True, capture_output=True, text=True, executable="/bin/bash",
+                         check=False)
+    assert run.returncode == 141 and "Traceback" not in run.stderr, run.stderr

@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     est = sub.add_parser("estimate", help="peak memory, step time, tokens/s/GPU and MFU of one layout")
     _model_and_layout_arguments(est, "the trainer's parallel.* and training.* fields of the same names")
     _hardware_arguments(est)
+    # its own flag, or argparse's prefix matching would read `--gpus 64` as `--gpus-per-node 64`
+    est.add_argument("--gpus", type=int, help="total GPU count, checked against the layout's dp × tp × pp × cp")
     est.add_argument("--json", action="store_true", help="print JSON (peak_bytes, step_seconds, "
                                                          "tokens_per_sec_per_gpu, mfu and their terms)")
     est.set_defaults(plan_run=run_estimate)
@@ -313,6 +315,9 @@ def run_estimate(args) -> int:
         raise UserError("plan estimate takes one layout; `ultratron plan memory` sweeps comma lists")
     layout = layouts[0]
     problems = _hardware_problems(args) + check_layout(shape, layout)
+    if args.gpus is not None and args.gpus != layout.n_gpus:
+        problems.append(f"--gpus {args.gpus}, but the layout (dp {layout.dp} × tp {layout.tp} × pp {layout.pp} × "
+                        f"cp {layout.cp}) uses {layout.n_gpus}: give the axes, or `plan search --gpus` to choose them")
     if problems:
         raise UserError(problems)
     acc, network, efficiency = resolve_hardware(args)
