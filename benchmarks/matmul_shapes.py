@@ -1,7 +1,7 @@
 """How fast a matmul and causal attention run by shape: the data behind the planner's matmul
 efficiency (`planning/compute.py`).
 
-  python benchmarks/matmul_shapes.py [--out FILE.json] [--quick] [--models]
+  python benchmarks/matmul_shapes.py [--out FILE.json] [--quick] [--models] [--fp8]
 
 Times bf16 (fp32 on a CPU) `x @ w` for (M tokens) × (K in) × (N out) over a grid of the per-rank
 shapes a layout makes (M: micro-batch tokens; K, N: the width and FFN split by tp), and causal
@@ -14,6 +14,8 @@ planner's compute term needs, though a causal kernel does half that work.
 for the 8B and for one tp=8 rank of the 70B and the 8B, emulated by their per-rank shapes (heads,
 kv heads, FFN and vocabulary divided by 8), and prints the planner's prediction beside each
 (products, attention and the elementwise kernels).
+--fp8 also times the products in fp8 as torchao's tensorwise Float8Linear runs them, beside the bf16
+ones: the rate `plan estimate --precision fp8` assumes (twice bf16's) and nobody here has measured.
 """
 
 from __future__ import annotations
@@ -41,14 +43,26 @@ def _timed(fn, device: str, repeat: int) -> float:
     return times[len(times) // 2]
 
 
+def product(device: str, dtype, m: int, k: int, n: int):
+    """A function computing one (m × k) @ (k × n) product as training runs it. "fp8": torchao's
+    tensorwise Float8Linear kernel, `torch._scaled_mm` over e4m3 operands (the second one
+    column-major, as the kernel requires) with one scale each and a bf16 output."""
+    if dtype == "fp8":
+        x = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+        w = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        return lambda: torch._scaled_mm(x, w, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(k, n, device=device, dtype=dtype)
+    return lambda: x @ w
+
+
 def matmuls(device: str, dtype, ms, ks, ns, repeat: int) -> list[dict]:
     rows = []
     for m in ms:
         for k in ks:
             for n in ns:
-                x = torch.randn(m, k, device=device, dtype=dtype)
-                w = torch.randn(k, n, device=device, dtype=dtype)
-                seconds = _timed(lambda x=x, w=w: x @ w, device, repeat)
+                seconds = _timed(product(device, dtype, m, k, n), device, repeat)
                 rows.append({"m": m, "k": k, "n": n, "seconds": seconds, "flops_per_s": 2 * m * k * n / seconds})
     return rows
 
@@ -117,6 +131,8 @@ def main() -> None:
     parser.add_argument("--out", help="write the measurements as JSON")
     parser.add_argument("--quick", action="store_true", help="a small grid (a CPU)")
     parser.add_argument("--models", action="store_true", help="also whole models forward + backward (a GPU)")
+    parser.add_argument("--fp8", action="store_true", help="also the products in fp8 (torch._scaled_mm, tensorwise "
+                                                           "scales): the rate the planner's fp8 estimate lacks")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -136,11 +152,18 @@ def main() -> None:
     print(f"{'seq':>6} {'model TFLOP/s':>14} {'of best matmul':>15}")
     for r in att:
         print(f"{r['seq']:>6} {r['flops_per_s'] / 1e12:>14.1f} {r['flops_per_s'] / best:>15.2f}")
+    fp8 = matmuls(device, "fp8", ms, ks, ks, repeat) if args.fp8 else []
+    if fp8:
+        print(f"fp8 (torch._scaled_mm, bf16 output): best {max(r['flops_per_s'] for r in fp8) / 1e12:.1f} TFLOP/s")
+        print(f"{'M':>6} {'K':>6} {'N':>6} {'TFLOP/s':>9} {'÷ bf16':>7}")
+        for r, b in zip(fp8, mm, strict=True):
+            print(f"{r['m']:>6} {r['k']:>6} {r['n']:>6} {r['flops_per_s'] / 1e12:>9.1f} "
+                  f"{r['flops_per_s'] / b['flops_per_s']:>7.2f}")
     whole = models(device, repeat) if args.models else []
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"device": name, "dtype": str(dtype), "matmul": mm, "attention": att, "models": whole}, f,
-                      indent=1)
+            json.dump({"device": name, "dtype": str(dtype), "matmul": mm, "matmul_fp8": fp8, "attention": att,
+                       "models": whole}, f, indent=1)
 
 
 if __name__ == "__main__":
