@@ -138,6 +138,13 @@ def test_fp8_gathers_one_byte_weights_and_runs_the_blocks_matmuls_at_the_fp8_pea
     # ZeRO-2 holds every weight gathered: 2 bytes each in bf16, the fp8 copy (1 byte) under fp8
     gathered = bf16["memory"]["parameters"] - fp8["memory"]["parameters"]
     assert gathered == pytest.approx(count_params_of(shape).total * (2 - 1), rel=1e-9)
+    # rowwise scales need the whole weight: FSDP2 gathers bf16, as under bf16, and its gathers cost as much
+    rowwise = estimate_json(capsys, *layout, "--precision", "fp8", "--fp8-scaling", "rowwise")
+    assert rowwise["memory"]["parameters"] == pytest.approx(bf16["memory"]["parameters"])
+    gathers = {name: [(c["nbytes"], c["calls"]) for c in run["collectives"] if c["op"] == "all-gather"]
+               for name, run in (("bf16", bf16), ("fp8", fp8), ("rowwise", rowwise))}
+    assert gathers["rowwise"] == gathers["bf16"] and gathers["bf16"]
+    assert gathers["fp8"] == [(nbytes / 2, calls) for nbytes, calls in gathers["bf16"]]
     # MFU is against the fp8 peak (H100 SXM datasheet: 1,978.9 dense); the blocks' matmuls run at it,
     # the head and attention at the bf16 one. By hand, per token: blocks 6 × 7.0e9 FLOPs at twice the
     # rate, head 6 × 0.53e9 and attention 12·L·h·s = 12.9e9 at bf16's: (21 + 3.2 + 12.9) / 58 = 0.64 of

@@ -81,7 +81,8 @@ class ParallelConfig:
 @dataclass
 @take_fields(Layout, STEP_FIELDS, after="batch_tokens", micro_batch_size=8, seq_len=256, precision="fp32")
 class TrainingConfig:
-    """`micro_batch_size`, `seq_len`, `precision`, `recompute` and `compile` are the layout's (`planning.layout`);
+    """`micro_batch_size`, `seq_len`, `precision`, `fp8_scaling`, `recompute` and `compile` are the layout's
+    (`planning.layout`);
     its gradient accumulation is derived from `batch_tokens` (`Config.grad_accum_steps`)."""
 
     steps: int = option(200, "optimizer steps", minimum=1)
@@ -98,9 +99,6 @@ class TrainingConfig:
                                      "it cannot run); docs/performance.md", choices=("aten", "onednn"))
     profile_steps: str = option("", "profile optimizer steps N..M (e.g. 5..7): a torch.profiler trace, an operator "
                                     "table and memory views per rank in RUN_DIR/profile/; empty: off")
-    fp8_scaling: str = option("tensorwise", "under precision fp8, the fp8 scales: tensorwise (one per tensor; under "
-                                            "FSDP2 the weights are all-gathered in fp8) or rowwise (one per row, "
-                                            "powers of two); docs/precision.md", choices=("tensorwise", "rowwise"))
     device: str = option("auto", "auto picks cuda when available", choices=("auto", "cpu", "cuda"))
     threads: int = option(0, "torch intra-op threads on CPU; 0 keeps torch's default")
     stop_after: int = option(0, "stop (with a checkpoint) after this many steps of this invocation, e.g. to fit "

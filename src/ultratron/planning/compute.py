@@ -173,8 +173,9 @@ def compute_efficiency(shape, layout, peak: float, hbm: float, efficiency: float
 # kernel that made the tensor and one kernel writes both layouts, p + 2. Inputs per token:
 # 3h (q, k, v) + q (o) + 2h (gate, up) + f (down); output gradients q + 2kv + h + 2f + h. Each
 # micro-batch also casts the fp32 weights: their amax and a forward and a backward cast, 14 bytes an
-# element (`FP8_WEIGHT_CAST`); under ZeRO-3 on the shard before FSDP gathers it in fp8, and the
-# gathered weight's transposed copy, 2 bytes an element.
+# element (`FP8_WEIGHT_CAST`); under ZeRO-3 with tensorwise scales on the shard before FSDP gathers
+# it in fp8, and the gathered weight's transposed copy, 2 bytes an element (rowwise scales: on the
+# gathered bf16 weight).
 #
 # Each kind of work — "layer" (a block's, the list above), "loss", "optimizer" — takes
 #     calls × latency + bytes / bandwidth
@@ -253,7 +254,8 @@ def elementwise_parts(shape, layout, memory) -> dict[str, tuple[float, float]]:
     layer_bytes = tokens * layers * per_token
     weights = layers * layer_matmul_params(shape, layout.tp)
     if layout.precision == "fp8":  # each micro-batch casts the fp32 weights to fp8 (comment above)
-        layer_bytes += weights * (FP8_WEIGHT_CAST / layout.shard_group + 2 if layout.zero == 3 else FP8_WEIGHT_CAST)
+        on_shard = layout.zero == 3 and layout.gathered_bytes == 1  # tensorwise: cast before FSDP gathers
+        layer_bytes += weights * (FP8_WEIGHT_CAST / layout.shard_group + 2 if on_shard else FP8_WEIGHT_CAST)
     elif dtypes_of(layout).casts:  # autocast's copy of each matmul weight: forward (again under recompute), backward
         layer_bytes += weights * 6 * (3 if layout.recompute != "none" else 2)
     parts = {"layer": (layer_bytes, layers * per_token / once)}

@@ -12,8 +12,8 @@ they do reach (`hbm_bw`, `intra_node_busbw`):
   - memory: kernels stream at `HBM_ACHIEVED` = 0.92 of the datasheet bandwidth (torchao's roofline
     model, torchao/testing/training/roofline_utils.py: large pointwise Triton kernels on an H100);
   - NVLink: NCCL's all-gather and all-reduce on 8 H100 reach a bus bandwidth of 360 GB/s, not the
-    datasheet's 450 a direction (NCCL's developers, NVIDIA/nccl-tests issue 326: "360 GB/s is exactly
-    what we'd expect on H100"): `NVLINK_ACHIEVED` = 0.8. The other NVSwitch nodes (H200, A100, B200)
+    datasheet's 450 a direction (NCCL's developers, NVIDIA/nccl-tests issue 326, name 360 GB/s as
+    the figure to expect on H100): `NVLINK_ACHIEVED` = 0.8. The other NVSwitch nodes (H200, A100, B200)
     are assumed to reach the same fraction; PCIe, Infinity Fabric and the network have no published
     NCCL figure here and stay at their datasheet rate. `ultratron bench comm` measures a cluster's own.
 

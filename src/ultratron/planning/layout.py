@@ -32,11 +32,12 @@ from ultratron.planning.rules import (
 )
 
 PRECISIONS = ("bf16", "fp32", "fp8")
+FP8_SCALINGS = ("tensorwise", "rowwise")
 # Where each layout field lives in the trainer's config; `grad_accum` lives in neither (the config
 # derives it from training.batch_tokens), nor do the planner's own two fields (see `Layout`).
 PARALLEL_FIELDS = ("dp", "dp_replicate", "zero", "tp", "sp", "pp", "pp_schedule", "pp_virtual_stages", "pp_split",
                    "pp_balance", "cp", "ep")
-STEP_FIELDS = ("micro_batch_size", "seq_len", "precision", "recompute", "compile")
+STEP_FIELDS = ("micro_batch_size", "seq_len", "precision", "fp8_scaling", "recompute", "compile")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ class Layout:
     seq_len: int = option(4096, "tokens per sequence", minimum=1, flags=("--seq",))
     precision: str = option("bf16", "bf16: bf16 autocast compute, fp32 master weights; fp8: bf16 plus the blocks' "
                                     "linear layers in fp8 (torchao float8; docs/precision.md)", choices=PRECISIONS)
+    fp8_scaling: str = option("tensorwise", "under precision fp8, the fp8 scales: tensorwise (one per tensor; under "
+                                            "FSDP2 the weights are all-gathered in fp8) or rowwise (one per row, "
+                                            "powers of two; FSDP2 gathers bf16); docs/precision.md",
+                              choices=FP8_SCALINGS)
     recompute: str = option("none", "activation recomputation", choices=RECOMPUTE)
     compile: bool = option(False, "torch.compile each transformer block and the loss (after recompute, before "
                                   "FSDP/DDP; the trainer not yet with tp); the planner prices the fused kernels; "
@@ -102,10 +107,11 @@ class Layout:
 
     @property
     def gathered_bytes(self) -> int:
-        """Bytes per parameter of the weights FSDP2 all-gathers: the compute dtype's, or under fp8 one
-        (tensorwise scaling gathers the blocks' matmul weights in fp8, `parallel/float8.py`; they are
-        nearly all of a block's, its norms' few are priced at one byte too)."""
-        return 1 if self.precision == "fp8" else self.compute_bytes
+        """Bytes per parameter of the weights FSDP2 all-gathers: the compute dtype's, or under fp8 with
+        tensorwise scales one (the blocks' matmul weights are gathered in fp8, `parallel/float8.py`;
+        they are nearly all of a block's, its norms' few are priced at one byte too). Rowwise scales
+        are computed on the whole weight, so FSDP2 gathers it in bf16 and it is cast after."""
+        return 1 if self.precision == "fp8" and self.fp8_scaling == "tensorwise" else self.compute_bytes
 
     @property
     def stages_per_rank(self) -> int:
@@ -141,6 +147,8 @@ class Layout:
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
         parts += [f"mbs={self.micro_batch_size}", f"ga={self.grad_accum}", f"recompute={self.recompute}"]
+        if self.precision == "fp8" and self.fp8_scaling != "tensorwise":
+            parts.append(f"fp8 {self.fp8_scaling}")
         if self.compile:
             parts.append("compile")
         return " ".join(parts)
