@@ -127,3 +127,14 @@ def test_search_writes_a_loadable_config_and_says_when_nothing_fits(capsys, tmp_
     code, out, _ = run_plan(capsys, "search", "--model", "llama3-70b", "--gpu", "a100-80gb", "--gpus", "8",
                             "--batch-tokens", "1048576", "--seq", "4096", "--out", str(tmp_path / "none.toml"))
     assert code == 1 and "nothing fits" in out and not (tmp_path / "none.toml").exists()
+
+
+def test_plan_memory_prices_an_underfilled_pipeline_and_warns_with_the_configs_own_line(capsys):
+    # 2 micro-batches cannot fill 4 stages: the config refuses it, plan memory prices it (it runs, mostly
+    # idle) and says why with the same line (rules.pipeline_fill_problem)
+    code, out, err = run_plan(capsys, "memory", "--model", "llama3-8b", "--pp", "4", "--grad-acc", "2", "--seq", "4096")
+    assert code == 0 and "GiB" in out
+    assert "2 micro-batches per step (grad_accum) are fewer than the 4 pipeline stages: pp_schedule=1f1b needs at " \
+           "least 4 to fill the pipeline; estimated as it would run, mostly idle" in err
+    code, _, err = run_plan(capsys, "memory", "--model", "llama3-8b", "--pp", "4", "--grad-acc", "4", "--seq", "4096")
+    assert code == 0 and "fill the pipeline" not in err

@@ -27,6 +27,7 @@ from ultratron.planning.rules import (
     data_parallel_wrapper,
     degree_problems,
     layout_problems,
+    pipeline_fill_problem,
     pipeline_problems,
     short_name,
 )
@@ -172,20 +173,18 @@ def check_layout(shape, layout: Layout, name: Namer = short_name, *, fields: boo
                          dp=layout.dp, dp_replicate=layout.dp_replicate, name=name)
     p += pipeline_problems(shape, pp=layout.pp, schedule=layout.pp_schedule, virtual_stages=layout.pp_virtual_stages,
                            split=layout.pp_split,
-                           micro_batches=None if grad_accum_from is None or not fill_pipeline else layout.grad_accum,
+                           micro_batches=None if grad_accum_from is None else layout.grad_accum,
                            micro_batches_from=grad_accum_from or name("training.grad_accum"),
-                           dp=layout.data_parallel, zero=layout.zero, recompute=layout.recompute, name=name)
+                           dp=layout.data_parallel, zero=layout.zero, recompute=layout.recompute, name=name,
+                           fill=fill_pipeline)
     return p
 
 
 def underfilled_pipeline(shape, layout: Layout) -> str | None:
     """The line `check_layout` gives a pipeline whose micro-batches per step cannot fill it, else None."""
-    if layout.pp == 1:
-        return None
-    full = pipeline_problems(shape, pp=layout.pp, schedule=layout.pp_schedule, virtual_stages=layout.pp_virtual_stages,
-                             split=layout.pp_split, micro_batches=layout.grad_accum, name=short_name,
-                             micro_batches_from=short_name("training.grad_accum"))
-    return next((line for line in full if "to fill the pipeline" in line), None)
+    return pipeline_fill_problem(pp=layout.pp, schedule=layout.pp_schedule, virtual_stages=layout.pp_virtual_stages,
+                                 micro_batches=layout.grad_accum, micro_batches_from=short_name("training.grad_accum"),
+                                 name=short_name)
 
 
 def section_of(field: str) -> str:

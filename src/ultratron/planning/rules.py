@@ -168,10 +168,11 @@ def layout_problems(shape, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
 
 def pipeline_problems(shape, *, pp: int, schedule: str, virtual_stages: int = 0, split: str | None = None,
                       micro_batches: int | None = None, micro_batches_from: str = "", dp: int = 1, zero: int = 0,
-                      recompute: str = "none", name: Namer = config_name) -> list[str]:
+                      recompute: str = "none", name: Namer = config_name, fill: bool = True) -> list[str]:
     """What a pipeline layout needs: stages per rank the schedule can run, at least one layer per
     stage, an explicit split that adds up, and enough micro-batches per step to fill the pipeline
-    (too few is refused here rather than left to hang or fail inside the schedule).
+    (too few is refused here rather than left to hang or fail inside the schedule; `fill=False`
+    lets it through, for a planner that prices it anyway: `pipeline_fill_problem`).
     `micro_batches_from` says where the micro-batch count comes from, for the message."""
     p: list[str] = []
     v_name, s_name, split_name = name("parallel.pp_virtual_stages"), name("parallel.pp_schedule"), name(
@@ -224,16 +225,30 @@ def pipeline_problems(shape, *, pp: int, schedule: str, virtual_stages: int = 0,
                  f"{layers}={shape.n_layers}: choose {v_name} so that pp × it divides the layers, or give "
                  f"{split_name}")
     if micro_batches is not None:
-        need = stages if schedule == "dualpipev" else pp  # torch's DualPipeV wants one per stage
-        source = f" ({micro_batches_from})" if micro_batches_from else ""
-        if micro_batches < need:
-            what = f"{stages} stages" if schedule == "dualpipev" else f"{pp} pipeline stages"
-            plural = "micro-batch" if micro_batches == 1 else "micro-batches"
-            p.append(f"{micro_batches} {plural} per step{source} are fewer than the {what}: "
-                     f"{s_name}={schedule} needs at least {need} to fill the pipeline")
+        underfilled = pipeline_fill_problem(pp=pp, schedule=schedule, virtual_stages=virtual_stages,
+                                            micro_batches=micro_batches, micro_batches_from=micro_batches_from,
+                                            name=name)
+        if underfilled:
+            p += [underfilled] if fill else []
         elif schedule in LOOPED and micro_batches % (micro_batches // pp):
             rounds = micro_batches // pp
+            source = f" ({micro_batches_from})" if micro_batches_from else ""
             p.append(f"{micro_batches} micro-batches per step{source}: {s_name}={schedule} runs them in "
                      f"{rounds} rounds of at least {name('parallel.pp')}={pp}, so they must be a multiple of "
                      f"{rounds}; a multiple of {pp} always works (e.g. {rounds * pp} or {(rounds + 1) * pp})")
     return p
+
+
+def pipeline_fill_problem(*, pp: int, schedule: str, virtual_stages: int, micro_batches: int,
+                          micro_batches_from: str = "", name: Namer = config_name) -> str | None:
+    """The line for a pipeline whose micro-batches per step are too few to fill it (None when they
+    are enough): every stage needs one in flight (torch's DualPipeV one per stage of its V)."""
+    stages = pp * stages_per_rank(schedule, virtual_stages)
+    need = stages if schedule == "dualpipev" else pp
+    if pp == 1 or micro_batches >= need:
+        return None
+    source = f" ({micro_batches_from})" if micro_batches_from else ""
+    what = f"{stages} stages" if schedule == "dualpipev" else f"{pp} pipeline stages"
+    plural = "micro-batch" if micro_batches == 1 else "micro-batches"
+    return (f"{micro_batches} {plural} per step{source} are fewer than the {what}: "
+            f"{name('parallel.pp_schedule')}={schedule} needs at least {need} to fill the pipeline")
