@@ -55,7 +55,8 @@ LOCAL = {  # name: the sweep's layout words (4 processes; the tiny model's batch
 # One ran on H200s at their datasheet figures: benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md,
 # Llama-3.1-8B, FSDP over 32 and 64 H200, local batch 2, torch.compile + Float8 (fp8 all-gathers),
 # the config's per-op SAC. (Async TP's rows are left out: the planner does not price its overlap;
-# the Float8 rowwise rows too: the trainer's fp8 default is tensorwise.) torchtitan's TP is
+# the Float8 rowwise rows too: the planner prices their bf16 gathers but their per-row casts as
+# tensorwise's.) torchtitan's TP is
 # sequence-parallel (its norms run on the sequence shard); its loss is compiled with the blocks. Like
 # with like:
 #   - Grand Teton's peak: the file says its 500 W HBM2e parts' dense peak lies between the H100

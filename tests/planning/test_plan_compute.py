@@ -298,7 +298,8 @@ def test_the_step_prices_elementwise_work_at_memory_bandwidth():
     micro, optimizer = elementwise_bytes(shape, lay, est.memory)
     assert est.elementwise_s == pytest.approx(2 * micro / HBM) and est.optimizer_s == pytest.approx(optimizer / HBM)
     # half the bandwidth: twice the elementwise time
-    slow = estimate_step(dataclasses.replace(spec, accelerator=dataclasses.replace(H100, memory_bw=3.35e12 / 2)), lay)
+    half = dataclasses.replace(H100, memory_bw=H100.memory_bw / 2)
+    slow = estimate_step(dataclasses.replace(spec, accelerator=half), lay)
     assert slow.elementwise_s == pytest.approx(2 * est.elementwise_s)
     assert slow.step_s > est.step_s and 0.05 < est.elementwise_s / est.compute_s < 0.3  # a 4k-wide model: ~1/10
 

@@ -207,12 +207,17 @@ def test_gpus_is_checked_against_the_layout_and_not_read_as_gpus_per_node(capsys
 
 
 def test_a_reader_that_leaves_early_gets_no_traceback():
+    import os
     import subprocess
     import sys
 
-    # `true` reads nothing and exits: every write the command makes meets a closed pipe
+    # a pipe whose reading end is closed before the command starts: every write it makes fails
+    read, write = os.pipe()
+    os.close(read)
     script = "import sys; from ultratron.cli import main; sys.exit(main())"
-    run = subprocess.run(f"set -o pipefail; {sys.executable} -c '{script}' plan estimate --model llama3-8b --dp 8 "
-                         "--seq 8192 | true", shell=True, capture_output=True, text=True, executable="/bin/bash",
-                         check=False)
+    try:
+        run = subprocess.run([sys.executable, "-c", script, "plan", "estimate", "--model", "llama3-8b", "--dp", "8",
+                              "--seq", "8192"], stdout=write, stderr=subprocess.PIPE, text=True, check=False)
+    finally:
+        os.close(write)
     assert run.returncode == 141 and "Traceback" not in run.stderr, run.stderr

@@ -36,8 +36,7 @@ def test_unknown_device_gives_zero_with_reason():
 
 
 def test_links_and_memory_are_priced_at_what_nccl_and_kernels_reach():
-    import argparse
-
+    from ultratron.cli import build_parser
     from ultratron.cli.plan import resolve_hardware
 
     h100 = get_accelerator("h100-sxm")
@@ -48,15 +47,11 @@ def test_links_and_memory_are_priced_at_what_nccl_and_kernels_reach():
     assert get_accelerator("h100-pcie").intra_node_busbw == 64e9
     assert get_accelerator("mi300x").intra_node_busbw == 448e9
 
-    def hardware(*flags):
-        args = argparse.Namespace(gpu="h100-sxm", profile=None, efficiency=None, peak_tflops=None, memory_gib=None,
-                                  nvlink_gbs=None, network_gbs=None, hbm_gbs=None, nvlink_latency_us=None,
-                                  network_latency_us=None, gpus_per_node=None)
-        for name, value in zip(flags[::2], flags[1::2], strict=True):
-            setattr(args, name, value)
+    def hardware(*flags):  # `plan estimate`'s own parser
+        args = build_parser("plan").parse_args(["plan", "estimate", "--model", "llama3-8b", *flags])
         return resolve_hardware(args)[0]
 
     # a figure given on the command line is what the links and kernels reach: no fraction on top
-    given = hardware("nvlink_gbs", 300.0, "hbm_gbs", 3000.0)
+    given = hardware("--nvlink-gbs", "300", "--hbm-gbs", "3000")
     assert given.intra_node_busbw == pytest.approx(300e9) and given.hbm_bw == pytest.approx(3000e9)
     assert hardware().intra_node_busbw == pytest.approx(360e9)

@@ -236,7 +236,7 @@ def run_memory(args) -> int:
             raise UserError(f"--lora-targets: {', '.join(unknown)} not among {', '.join(LORA_TARGETS)}")
         lora = (args.lora_rank, targets)
     for layout in layouts:
-        underfilled = underfilled_pipeline(shape, layout)
+        underfilled = underfilled_pipeline(layout)
         if underfilled:  # such runs exist: slow (mostly bubble), not impossible
             print(f"warning: {layout.describe()}: {underfilled}; estimated as it would run, mostly idle",
                   file=sys.stderr)

@@ -25,7 +25,7 @@ data in `benchmarks/data/h200_matmul_shapes.json`, checked by `tests/planning/te
   - whole models forward + backward (`--models`: ultratron's Llama, 8B at seq 8192 and at 4 × 2048,
     and one tp=8 rank of the 70B and of the 8B, emulated by their per-rank shapes): inside a model
     the same products run slower than alone. With each model's step priced as the planner prices it,
-    products and attention plus the elementwise kernels (`elementwise_bytes`, at `hbm_bw`), the one
+    products and attention plus the elementwise kernels (`elementwise_parts` at `hbm_bw`), the one
     constant 0.61 (the geometric-mean fit over these five runs, not per layout) predicts their
     tokens/s at 0.96, 0.92, 1.00, 1.02 and 1.13 × the measured, the products being the model's own
     linear layers (`layer_matmuls`: wq, wk, wv, wo, w1, w3, w2). (Before the output term and the
@@ -290,11 +290,12 @@ def kernel_seconds(parts: dict[str, tuple[float, float]], kinds, memory_bw: floa
 def one_gpu_step_seconds(shape, micro_batch: int, seq: int, acc, efficiency: float = MATMUL_EFFICIENCY) -> float:
     """One micro-batch's forward + backward of `shape` on one GPU, bf16 weights and no optimizer (as
     `benchmarks/matmul_shapes.py --models` times it), priced as the planner prices a step: products and
-    attention (`compute_efficiency`) plus the elementwise kernels at `acc.hbm_bw`."""
+    attention (`compute_efficiency`) plus the elementwise kernels (`kernel_seconds`, as `estimate_step`)."""
     peak = acc.flops["bf16"]
     tokens = micro_batch * seq
     layout = Layout(micro_batch_size=micro_batch, seq_len=seq)
     compute = tokens * flops_per_token_of(shape, seq) / (
         compute_efficiency(shape, layout, peak, acc.hbm_bw, efficiency, acc.attention_table) * peak)
     bf16 = Layout(dp=2, zero=3, micro_batch_size=micro_batch, seq_len=seq)  # FSDP2's bf16 weights and stream
-    return compute + elementwise_bytes(shape, bf16, estimate_memory(shape, bf16))[0] / acc.hbm_bw
+    parts = elementwise_parts(shape, bf16, estimate_memory(shape, bf16))
+    return compute + kernel_seconds(parts, ("layer", "loss"), acc.hbm_bw, acc.kernels)

@@ -180,7 +180,7 @@ def check_layout(shape, layout: Layout, name: Namer = short_name, *, fields: boo
     return p
 
 
-def underfilled_pipeline(shape, layout: Layout) -> str | None:
+def underfilled_pipeline(layout: Layout) -> str | None:
     """The line `check_layout` gives a pipeline whose micro-batches per step cannot fill it, else None."""
     return pipeline_fill_problem(pp=layout.pp, schedule=layout.pp_schedule, virtual_stages=layout.pp_virtual_stages,
                                  micro_batches=layout.grad_accum, micro_batches_from=short_name("training.grad_accum"),
