@@ -199,3 +199,55 @@ def test_a_lone_surrogate_or_an_oversized_seed_is_the_clients_error(served):
     status, out = _raw(served, "/v1/completions", {"model": "ultratron", "prompt": "a", "max_tokens": 2,
                                                    "seed": 2**63 - 1, "n": 2})
     assert status == 200 and len(out["choices"]) == 2, out
+
+
+BAD_SAMPLING = [  # (field, value): each one OpenAI's API refuses as well
+    ("logit_bias", {"abc": 5}), ("logit_bias", {"1.5": 5}), ("logit_bias", {"999999": 5}), ("logit_bias", {"-1": 5}),
+    ("logit_bias", {"3": 101}), ("logit_bias", {"3": -100.5}), ("logit_bias", {"3": "high"}),
+    ("frequency_penalty", 2.5), ("frequency_penalty", -2.01), ("frequency_penalty", float("inf")),
+    ("frequency_penalty", float("nan")), ("presence_penalty", 3), ("presence_penalty", float("-inf")),
+    ("temperature", float("nan")), ("temperature", float("inf")), ("top_p", float("nan")), ("top_p", float("inf")),
+    ("n", 0), ("n", 1.5), ("n", "2"), ("n", True), ("max_tokens", -1), ("max_tokens", 2.5), ("max_tokens", "4"),
+    ("max_tokens", False),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_sampling_values_the_server_cannot_honour_are_a_400_naming_the_field(served, path):
+    """Python's json module writes and reads NaN and Infinity, so the bodies below reach the server as
+    a client with that bug would send them; each is refused before any work with the field named."""
+    base = {"model": "ultratron", "max_tokens": 2}
+    base |= {"prompt": "a"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "a"}]}
+    for field, value in BAD_SAMPLING:
+        status, answer = _raw(served, path, json.dumps(base | {field: value}).encode())
+        assert status == 400, (path, field, value, answer)
+        assert answer["error"]["param"] == field and field in answer["error"]["message"], (field, value, answer)
+        assert answer["error"]["type"] == "invalid_request_error"
+    # the limits themselves are valid, and so is what was accepted before: an integral float, max_tokens 0
+    edge = {"logit_bias": {"3": -100, "4": 100}, "frequency_penalty": -2, "presence_penalty": 2.0, "n": 2.0,
+            "temperature": 0}
+    status, out = _raw(served, path, json.dumps(base | edge).encode())
+    assert status == 200 and len(out["choices"]) == 2, out
+    if path == "/v1/completions":
+        status, out = _raw(served, path, {**base, "max_tokens": 0, "echo": True, "logprobs": 1})
+        assert status == 200 and out["usage"]["completion_tokens"] == 0, out
+
+
+def test_logit_bias_and_penalties_steer_the_sampled_tokens(served):
+    """Honoured, not only accepted: a +100 bias makes greedy decoding pick that token every time (the
+    model's own log-probabilities span far less than 100 nats), and the scores sampling draws from are
+    OpenAI's formula, term by term, on a hand-made distribution."""
+    from ultratron.inference.engine import SamplingParams, _adjusted
+
+    body = {"model": "ultratron", "prompt": "def ", "max_tokens": 6, "temperature": 0}
+    status, plain = _raw(served, "/v1/completions", body)
+    status, forced = _raw(served, "/v1/completions", body | {"logit_bias": {"7": 100}, "logprobs": 0})
+    assert status == 200 and forced["choices"][0]["logprobs"]["tokens"], forced
+    sevens = _raw(served, "/detokenize", {"tokens": [7] * 6})[1]["prompt"]
+    assert forced["choices"][0]["text"] == sevens != plain["choices"][0]["text"], (sevens, forced, plain)
+    logp = torch.log_softmax(torch.tensor([0.0, 1.0, 3.0, 0.5]), dim=-1)
+    params = SamplingParams(logit_bias={0: 10.0}, frequency_penalty=0.5, presence_penalty=1.0)
+    got = _adjusted(logp, params, [2, 2, 1])
+    want = logp + torch.tensor([10.0, -(0.5 + 1.0), -(2 * 0.5 + 1.0), 0.0])
+    assert torch.equal(got, want), (got, want)
+    assert torch.equal(_adjusted(logp, SamplingParams(), [2]), logp)  # nothing asked: the model's own scores

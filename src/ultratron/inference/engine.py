@@ -28,6 +28,9 @@ class SamplingParams:
     logprobs: int | None = None  # how many top alternatives to report per token; None: no logprobs
     echo: bool = False  # also report the prompt's tokens (with logprobs if asked)
     ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None  # added to the logits before sampling (OpenAI's logit_bias)
+    frequency_penalty: float = 0.0  # less per earlier occurrence of the token in the completion
+    presence_penalty: float = 0.0  # less once the token has occurred in the completion
 
 
 @dataclass
@@ -60,6 +63,21 @@ def _top(logp: torch.Tensor, k: int | None) -> list[tuple[int, float]] | None:
         return None
     values, ids = logp.topk(min(k, logp.shape[-1]))
     return list(zip(ids.tolist(), values.tolist(), strict=True))
+
+
+def _adjusted(logp: torch.Tensor, params: SamplingParams, generated: list[int]) -> torch.Tensor:
+    """The scores sampling draws from: OpenAI's definition, logit[j] − c[j]·frequency_penalty −
+    [c[j] > 0]·presence_penalty + logit_bias[j], c[j] the count of token j in the completion so far.
+    (A constant shift of every logit leaves the softmax alone, so log-probabilities serve as logits.)"""
+    if not (params.logit_bias or params.frequency_penalty or params.presence_penalty):
+        return logp
+    scores = logp.clone()
+    if generated and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(generated), minlength=scores.shape[-1]).to(scores.dtype)
+        scores -= counts * params.frequency_penalty + (counts > 0).to(scores.dtype) * params.presence_penalty
+    for token, bias in (params.logit_bias or {}).items():
+        scores[token] += bias
+    return scores
 
 
 def _sample(logp: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -97,7 +115,7 @@ class _Row:
     def push(self, logp: torch.Tensor) -> bool:
         """Sample the next token from log-probabilities `logp` (vocab,); True when the row is done."""
         seq, params = self.seq, self.seq.params
-        token = _sample(logp.cpu(), params, self.generator)
+        token = _sample(_adjusted(logp.cpu(), params, seq.token_ids), params, self.generator)
         if token == self.eos_id and not params.ignore_eos:
             seq.finish_reason = "stop"
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -26,22 +27,71 @@ def _valid_text(value):
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, penalties...) are accepted
+    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, service_tier...) are accepted
 
 
-class CompletionRequest(_Open):
-    model: str
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
+def _whole_number(value):
+    """OpenAI's integer fields: JSON numbers without a fraction. pydantic's lax mode would also take
+    "3" and true; a client that sends those has a bug the server should name, not guess around."""
+    if value is None:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float) or \
+            (isinstance(value, float) and not (math.isfinite(value) and value.is_integer())):
+        raise ValueError(f"must be an integer, not {value!r}")
+    return int(value)
+
+
+def _finite(value):
+    """JSON has no NaN or Infinity, but Python's parser accepts both; neither means anything here."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"must be a finite number, not {value!r}")
+    return value
+
+
+def _token_bias(value):
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]}; ids are checked against the vocabulary by
+    the server, which knows it."""
+    if value is None:
+        return value
+    bias = {}
+    for key, number in value.items():
+        if not (isinstance(key, str) and key.strip().lstrip("-").isdigit()):
+            raise ValueError(f"key {key!r} is not a token id")
+        if isinstance(number, bool) or not isinstance(number, int | float) or not -100 <= number <= 100:
+            raise ValueError(f"bias {number!r} of token {key} must be a number in [-100, 100]")
+        bias[int(key)] = float(number)
+    return bias
+
+
+class _Sampling(_Open):
+    """The sampling fields the completion and chat endpoints share, checked as OpenAI checks them."""
+
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    # OpenAI's penalties: a token's logit less frequency_penalty per earlier occurrence in the completion
+    # and presence_penalty once it has occurred; logit_bias is added to the logits before sampling
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, object] | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past the end-of-text token
     stream: bool = False
+    stop: str | list[str] | None = None
+    finite = field_validator("temperature", "top_p", "frequency_penalty", "presence_penalty",
+                             mode="before")(_finite)
+    integral = field_validator("n", "seed", "max_tokens", mode="before", check_fields=False)(_whole_number)
+    bias_by_token = field_validator("logit_bias")(_token_bias)
+
+
+class CompletionRequest(_Sampling):
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    # 0 stays valid here: with echo it scores a prompt without generating (lm-eval's log-likelihoods)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past the end-of-text token
+    logprobs_integral = field_validator("logprobs", mode="before")(_whole_number)
     text_is_unicode = field_validator("prompt", "stop")(_valid_text)
 
 
@@ -51,20 +101,14 @@ class ChatMessage(_Open):
     text_is_unicode = field_validator("content")(_valid_text)
 
 
-class ChatRequest(_Open):
+class ChatRequest(_Sampling):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1)
-    stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past the end-of-text token
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
+    max_completion_integral = field_validator("max_completion_tokens", "top_logprobs", mode="before")(_whole_number)
     text_is_unicode = field_validator("stop")(_valid_text)
 
 

@@ -115,6 +115,17 @@ class Server:
             out.append((ids, text))
         return out
 
+    def steering(self, req) -> dict:
+        """The request's logit_bias and penalties as SamplingParams fields; a bias on a token id the
+        vocabulary lacks is the client's mistake (OpenAI answers it with a 400 too)."""
+        bias = req.logit_bias or {}
+        bad = [token for token in bias if not 0 <= token < self.vocab_size]
+        if bad:
+            raise APIError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                           param="logit_bias")
+        return {"logit_bias": bias or None, "frequency_penalty": req.frequency_penalty,
+                "presence_penalty": req.presence_penalty}
+
     def check_length(self, n_prompt: int, max_tokens: int, what: str = "prompt") -> None:
         if n_prompt + max_tokens > self.context:
             raise APIError(400, f"This model's maximum context length is {self.context} tokens. However, you "
@@ -236,6 +247,7 @@ def create_app(server: Server) -> FastAPI:
         if req.logprobs is not None and req.logprobs > limits.max_logprobs:
             raise APIError(400, f"logprobs must be at most {limits.max_logprobs}", param="logprobs")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        steering = server.steering(req)
         prompts = server.prompts_as_ids(req.prompt)
         for ids, _ in prompts:
             server.check_length(len(ids), max_tokens)
@@ -246,7 +258,8 @@ def create_app(server: Server) -> FastAPI:
             for k in range(req.n):
                 params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                         seed=None if req.seed is None else req.seed + k, stop=_stops(req.stop),
-                                        logprobs=req.logprobs, echo=req.echo, ignore_eos=req.ignore_eos)
+                                        logprobs=req.logprobs, echo=req.echo, ignore_eos=req.ignore_eos,
+                                        **steering)
                 seqs.append(Sequence(ids, params))
                 where.append(p)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -279,6 +292,7 @@ def create_app(server: Server) -> FastAPI:
         top = req.top_logprobs or 0
         if top > limits.max_logprobs:
             raise APIError(400, f"top_logprobs must be at most {limits.max_logprobs}", param="top_logprobs")
+        steering = server.steering(req)
         ids = server.tokenizer.encode(server.chat_prompt([m.model_dump() for m in req.messages]))
         requested = req.max_completion_tokens or req.max_tokens
         if len(ids) >= server.context:
@@ -288,7 +302,8 @@ def create_app(server: Server) -> FastAPI:
         seqs = [Sequence(ids, SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                              seed=None if req.seed is None else req.seed + k,
                                              stop=_stops(req.stop) + chat_stops(server.tokenizer),
-                                             logprobs=top if req.logprobs else None, ignore_eos=req.ignore_eos))
+                                             logprobs=top if req.logprobs else None, ignore_eos=req.ignore_eos,
+                                             **steering))
                 for k in range(req.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
