@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 # much of the suite waits on process start-up and gloo, so 2 workers suit even a 2-core machine
 TEST_WORKERS ?= 2
 
-.PHONY: setup quickstart test lint clean
+.PHONY: setup quickstart test test-other-isa lint clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,21 @@ quickstart: setup
 
 test: setup
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+
+# The tests that compare computations whose rounding depends on the CPU's kernels, again with the
+# kernels on another instruction set (docs/testing.md): ATen's AVX2 kernels, oneDNN without AMX or
+# AVX-512 bf16, MKL's AVX path (no FMA). A tolerance fitted to one CPU's rounding fails here.
+OTHER_ISA := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX512_CORE MKL_CBWR=AVX
+ISA_TESTS ?= tests/distributed/test_dist_equivalence.py tests/distributed/test_dist_cp_ep.py \
+	tests/distributed/test_dist_pipeline.py tests/test_grad_accum.py tests/test_train_run.py tests/test_compile.py \
+	tests/test_document_masking.py tests/test_moe.py tests/test_cpu_linear.py tests/test_fp8.py \
+	tests/planning/test_plan_measured.py \
+	tests/distributed/test_dist_activation_memory.py
+
+test-other-isa: setup
+	$(OTHER_ISA) $(VENV)/bin/python -c "import torch; c = torch.backends.cpu.get_cpu_capability(); \
+	print('second pass: ATen kernels on', c); assert c in ('AVX2', 'DEFAULT'), c"
+	$(OTHER_ISA) $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 $(ISA_TESTS)
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks

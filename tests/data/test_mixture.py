@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from tolerances import replayed
 from ultratron.data.mixture import MixtureLoader
 from ultratron.data.mixture_spec import parse_mixture
 from ultratron.data.shards import ShardSet, write_shards
@@ -187,7 +188,7 @@ def test_training_on_a_mixture_resumes_exactly(prepared_sources, tmp_path):
     resumed = {r["step"]: r for r in read_metrics(tmp_path / "split") if "loss" in r}
     assert sorted(resumed) == list(range(1, 9))
     for step in range(5, 9):
-        assert abs(full[step]["loss"] - resumed[step]["loss"]) <= 1e-6
+        assert replayed(resumed[step]["loss"], full[step]["loss"]), step
         assert (full[step]["tokens/a"], full[step]["tokens/b"]) == (resumed[step]["tokens/a"],
                                                                     resumed[step]["tokens/b"])
     last = full[8]
@@ -227,7 +228,7 @@ def test_a_batch_ramp_over_a_mixture_resumes_exactly(prepared_sources, tmp_path)
     assert sorted(resumed) == sorted(full) and len(full) > 4
     assert [full[s]["batch_tokens"] for s in sorted(full)] == [256, 256, 256, 512, 512, 768, 1024]
     for step in range(4, len(full) + 1):
-        assert abs(full[step]["loss"] - resumed[step]["loss"]) <= 1e-6
+        assert replayed(resumed[step]["loss"], full[step]["loss"]), step
         assert full[step]["tokens/a"] + full[step]["tokens/b"] == full[step]["tokens"] == resumed[step]["tokens"]
 
 
@@ -249,5 +250,5 @@ def test_validation_loss_is_logged_per_source(prepared_sources, tmp_path):
         train(load_config(None, both + ["--data.path", str(root / name), "--run.dir", str(tmp_path / name),
                                         "--training.steps", "1", "--eval.interval", "1"]), echo=False)
         alone = next(r for r in read_metrics(tmp_path / name) if "val_loss" in r)
-        assert alone["step"] == 0 and abs(records[0][f"val_loss/{name}"] - alone["val_loss"]) <= 1e-6
+        assert alone["step"] == 0 and replayed(records[0][f"val_loss/{name}"], alone["val_loss"])
     assert records[0]["val_loss/a"] != records[0]["val_loss/b"]

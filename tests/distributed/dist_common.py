@@ -4,22 +4,8 @@ comparison every layout passes against one process (`assert_equivalent`).
 (Not a conftest.py: a second module named conftest would shadow tests/conftest.py for the
 modules that import from it.) Test modules import the fixtures by their *_fixture names.
 
-What "equal to one process" means, and where each tolerance comes from (relative; the gaps were
-measured over every layout of these tests and dp2×tp2×pp2 in bf16, 2-core AMD EPYC; margins stated):
-  fp32  losses and validation losses 1e-5 (measured ≤ 2.3e-7), gradient norms 1e-4 (≤ 1.6e-6), and
-        each weight tensor at the end within 3e-4 of that tensor's update over the run (≤ 6.5e-5):
-        summation order alone differs, but AdamW divides each gradient by its running RMS, so an
-        element whose gradient is at round-off level moves by ~lr either way, which shows in the
-        weights long before it shows in a loss.
-  bf16  losses and validation losses 2e-4 (measured ≤ 4.6e-5), gradient norms 1e-2 (≤ 3.4e-3),
-        weights 0.2 of the update (≤ 6.3e-2): bf16 keeps 8 mantissa bits (2^-8 ≈ 4e-3 per
-        rounding), and the layouts round different tensors: FSDP2's MixedPrecisionPolicy gathers bf16
-        weights (the norms' too) and keeps a bf16 residual stream where one process's autocast keeps
-        fp32, and tensor parallelism sums partial products in another order.
-  fp8   against fp8 in one process (torchao's float8, emulated): losses and validation losses 2e-3
-        (measured ≤ 1.1e-4), gradient norms 5e-2 (≤ 1.8e-2), weights 0.4 of the update (≤ 0.14):
-        bf16's sources of difference, and each fp8 cast (3 mantissa bits, 2^-4 ≈ 6e-2 per rounding)
-        of a differently rounded tensor can land one fp8 step away.
+What "equal to one process" means, and where each tolerance comes from: tests/tolerances.py
+(LAYOUTS), the suite's one derivation.
 """
 
 from __future__ import annotations
@@ -29,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tolerances import LAYOUTS
 from ultratron.config import load_config
 from ultratron.training.metrics import read_metrics
 from ultratron.training.trainer import train
@@ -56,9 +43,7 @@ BATCH = ["--training.batch_tokens", "1024", "--training.steps", str(STEPS), "--o
          "--training.grad_clip", str(CLIP), "--eval.interval", str(STEPS), "--eval.batches", "2"]
 
 
-TOLERANCES = {"fp32": {"loss": 1e-5, "grad_norm": 1e-4, "val_loss": 1e-5, "weights": 3e-4},
-              "bf16": {"loss": 2e-4, "grad_norm": 1e-2, "val_loss": 2e-4, "weights": 0.2},
-              "fp8": {"loss": 2e-3, "grad_norm": 5e-2, "val_loss": 2e-3, "weights": 0.4}}
+TOLERANCES = LAYOUTS  # the name the distributed modules import
 
 
 def records(run_dir) -> list[dict]:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from dist_common import assert_equivalent, dist_base_fixture, launch, references_fixture  # noqa: F401 (fixtures)
+from dist_common import assert_equivalent, dist_base_fixture, launch, references_fixture, weights_gap  # noqa: F401
 
+from tolerances import LAYOUTS
 from ultratron.config import load_config
 from ultratron.training.trainer import train
 
@@ -113,15 +114,20 @@ def test_an_ep2_checkpoint_resumes_under_ep4_and_in_one_process(four_rank_runs, 
 
 def test_an_ep_checkpoint_loads_for_inference_in_one_process(four_rank_runs, moe_reference):
     """eval, serve and export read the experts back whole (global shapes), with the routing bias the
-    run had learned; the same weights as the one-process run's checkpoint of that step."""
-    import torch
-
+    run had learned; the same weights as the one-process run's checkpoint of that step, within the
+    layouts' weight tolerance (tests/tolerances.py: a share of each tensor's update). The two runs
+    route slot for slot (test_four_rank_cp_and_ep_layouts_equal_one_process) and their routing
+    biases are equal bit for bit, so the experts' gaps are summation order alone (docs/testing.md)."""
     from ultratron.checkpoint.inference import load_for_inference
 
-    got = load_for_inference(four_rank_runs["ep2xdp2"] / "checkpoints" / f"step-{SAVE_AT:07d}").model.state_dict()
-    expected = load_for_inference(moe_reference / "checkpoints" / f"step-{SAVE_AT:07d}").model.state_dict()
+    def step_weights(run):
+        return load_for_inference(run / "checkpoints" / f"step-{SAVE_AT:07d}").model.state_dict()
+
+    got, expected = step_weights(four_rank_runs["ep2xdp2"]), step_weights(moe_reference)
     assert got["layers.0.feed_forward.experts.w1"].shape == (4, 64, 64)
     assert set(got) == set(expected)
-    for name in expected:
-        assert torch.allclose(got[name], expected[name], rtol=1e-5, atol=1e-6), name
+    biases = [name for name in expected if name.endswith("router.expert_bias")]
+    assert biases and all(got[name].equal(expected[name]) for name in biases)  # the same routing decisions
     assert got["layers.1.feed_forward.router.expert_bias"].abs().sum() > 0  # the bias moved, and was saved
+    gap = weights_gap(four_rank_runs["ep2xdp2"], moe_reference, step_weights)
+    assert gap <= LAYOUTS["fp32"]["weights"], gap

@@ -12,8 +12,9 @@ import uuid
 
 import pytest
 import torch
-from dist_common import dist_base_fixture, records  # noqa: F401 (fixtures)
+from dist_common import dist_base_fixture, records, weights_gap  # noqa: F401 (fixtures)
 
+from tolerances import LAYOUTS
 from ultratron.checkpoint.inference import load_for_inference
 from ultratron.config import load_config
 from ultratron.launch.local import processes_with
@@ -65,9 +66,8 @@ def test_kill_9_of_one_rank_and_the_job_finishes_by_itself(world, dist_base, uni
     assert [r["restarts"] for r in read_metrics(run) if "restarts" in r] == [1]
     assert [r["step"] for r in records(run)] == list(range(1, STEPS + 1))  # each step once, after the trim
 
+    # dp ranks against one process, as every layout is compared (tests/tolerances.py, LAYOUTS)
+    assert weights_gap(run, uninterrupted) <= LAYOUTS["fp32"]["weights"]
     final = load_for_inference(run).model.state_dict()
-    expected = load_for_inference(uninterrupted).model.state_dict()
-    worst = max(float((final[k] - expected[k]).abs().max()) for k in expected)
-    assert worst <= 1e-5, worst
     assert not torch.equal(final["tok_embeddings.weight"], load_for_inference(
         run / "checkpoints" / f"step-{(STEPS - INTERVAL):07d}").model.state_dict()["tok_embeddings.weight"])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tolerances import LAYOUTS
 from ultratron.checkpoint.store import step_dir_name
 from ultratron.config import load_config
 from ultratron.evaluation.backends import LocalBackend
@@ -93,7 +94,8 @@ def test_periodic_evaluation_records_results_without_stalling(small_corpus, tmp_
             offline = evaluate(backend, [load_task_file(task), load_task_file(_text_task(tmp_path))])
             assert (r["eval/quick/acc"], r["eval/quick/acc_norm"]) == (offline["quick"]["acc"],
                                                                        offline["quick"]["acc_norm"])
-            assert r["eval/prose/bits_per_byte"] == pytest.approx(offline["prose"]["bits_per_byte"], rel=1e-5)
+            assert r["eval/prose/bits_per_byte"] == pytest.approx(offline["prose"]["bits_per_byte"],
+                                                                         rel=LAYOUTS["fp32"]["val_loss"])
     assert not list((run / "eval" / "snapshots").glob("step-*"))  # snapshots are cleaned up
     assert _launched(run) == steps  # each launched evaluation gave its result
     during = _trained_during_evaluations(records, steps, 160, "eval/quick/acc")
