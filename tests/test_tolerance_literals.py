@@ -30,6 +30,7 @@ FILES = {
     "planning/": PLANNER + "; or " + FORMULA,
     "bench/": PLANNER + "; or " + FORMULA,
     "data/test_curation_": DATA,
+    "data/multilingual_corpus.py": DATA,
     "distributed/test_dist_activation_memory.py": PLANNER,
     "distributed/test_dist_memory.py": PLANNER,
     "distributed/test_dist_pipeline_memory.py": PLANNER,

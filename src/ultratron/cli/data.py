@@ -82,6 +82,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     summary = run_stage(stage, load_config(args.config, overrides, stages=[stage]), args.input, args.output)
     shown = {k: summary[k] for k in ("stage", "docs_in", "docs_out", "bytes_in", "bytes_out", "tokens_out",
-                                     "removed", "modified")}
+                                     "removed", "modified", "notes") if k in summary}
     print(json.dumps(shown, indent=2))
+    if summary.get("languages"):
+        from ultratron.curation.report import format_languages
+
+        print(format_languages([summary]))
+    if summary.get("tokenizer_languages"):
+        from ultratron.curation.stages.tokenize import format_language_table
+
+        print(f"tokenizer by language ({summary['tokenizer_languages_split']} documents):")
+        print(format_language_table(summary["tokenizer_languages"]))
     return 0

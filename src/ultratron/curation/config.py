@@ -23,6 +23,8 @@ STAGES: dict[str, str] = {
     "read": "raw sources (text files, JSONL, Parquet, 'builtin') → JSONL parts; unusable input logged "
             "with a reason",
     "normalize": "Unicode normal form, control characters, line ends, runs of spaces and blank lines",
+    "language": "identify each document's language and script (py3langid); keep the listed languages; "
+                "later stages use its words, stop words and rules",
     "exact-dedup": "drop documents whose text equals an earlier one's (blake2b-128)",
     "near-dedup": "MinHash + LSH banding: keep the first document of each near-duplicate cluster",
     "substring-dedup": "remove every byte span of ≥ min_bytes that occurs twice (suffix array)",
@@ -47,7 +49,7 @@ class PipelineSection:
     input: str = option("builtin", "'builtin' (this interpreter's standard library) or a directory/file of "
                                    "text, .jsonl or .parquet")
     output: str = option("data_out", "one subdirectory per stage, the report and the final shards")
-    stages: list[str] = option(factory=lambda: [s for s in STAGES if s not in ("perplexity", "write-chat")],
+    stages: list[str] = option(factory=lambda: [s for s in STAGES if s not in ("language", "perplexity", "write-chat")],
                                help="the stages to run, in order; must start with read", choices=tuple(STAGES))
     workers: int = option(1, "processes on this machine; 0: one per CPU core")
     executor: str = option("local", "local: a process pool; ray: Ray tasks (ray.init(address=ray_address))",
@@ -77,6 +79,13 @@ class NormalizeSection:
 
 
 @dataclass
+class LanguageSection:
+    keep: list[str] = option(factory=list, help="ISO 639-1 codes of the languages to keep (e.g. ko,en); empty: all")
+    min_score: float = option(0.0, "documents whose language's probability is lower are removed")
+    head_chars: int = option(4000, "characters identified per document (its head)")
+
+
+@dataclass
 class NearDedupSection:
     # datatrove's MinHash defaults: word 5-grams, 14 bands × 8 rows = 112 permutations; the
     # S-curve threshold (1/14)^(1/8) ≈ 0.72, P(caught | J=0.8) ≈ 0.92, J=0.85 → 0.99, J=0.5 → 0.05.
@@ -84,6 +93,8 @@ class NearDedupSection:
     bands: int = option(14, "LSH bands")
     rows: int = option(8, "MinHash values per band (bands × rows permutations)")
     seed: int = option(1, "seed of the MinHash permutations")
+    min_jaccard: float = option(0.0, "a pair whose bands collide is a duplicate only if its signatures agree "
+                                     "in this share of values (estimated Jaccard); 0: every collision counts")
 
 
 @dataclass
@@ -155,6 +166,13 @@ class TokenizeSection:
     vocab_size: int = option(4096, "vocabulary of a trained tokenizer")
     train_bytes: int = option(50_000_000, "the tokenizer trains on at most this much text")
     poor_compression_ratio: float = option(0.5, "audit: warn when a domain's bytes/token < ratio × the corpus's")
+    # a corpus balanced by language for training (records with a `language`): each language's share of
+    # the training text ∝ (its share of the corpus)^alpha (Conneau et al. 2020, XLM-R; Xue et al. 2021,
+    # mT5: alpha 0.3), or the explicit weights
+    language_alpha: float = option(1.0, "tokenizer training text per language ∝ share^alpha (1: as the corpus "
+                                        "has it; 0.3 as XLM-R and mT5)")
+    language_weights: dict[str, float] = option(factory=dict, help="language → relative weight of its text for "
+                                                                   "tokenizer training (overrides language_alpha)")
 
 
 @dataclass
@@ -170,6 +188,7 @@ class DataPipelineConfig:
     pipeline: PipelineSection = option(factory=PipelineSection)
     read: ReadSection = option(factory=ReadSection)
     normalize: NormalizeSection = option(factory=NormalizeSection)
+    language: LanguageSection = option(factory=LanguageSection)
     near_dedup: NearDedupSection = option(factory=NearDedupSection)
     substring_dedup: SubstringDedupSection = option(factory=SubstringDedupSection)
     filter: FilterSection = option(factory=FilterSection)
@@ -238,9 +257,19 @@ def validate(cfg: DataPipelineConfig, stages: list[str] | None = None) -> list[s
     if p.docs_per_part < 1:
         problems.append("pipeline.docs_per_part must be ≥ 1")
     problems += _chat_problems(cfg, run)
+    lg = cfg.language
+    if not 0 <= lg.min_score <= 1:
+        problems.append(f"language.min_score = {lg.min_score} must lie in [0, 1] (a probability)")
+    if lg.head_chars < 1:
+        problems.append("language.head_chars must be ≥ 1")
+    bad = [code for code in lg.keep if not (2 <= len(code) <= 3 and code.isalpha() and code.islower())]
+    if bad:
+        problems.append(f"language.keep: {bad[0]!r} is not an ISO 639-1 code (two lowercase letters, e.g. ko, en)")
     nd = cfg.near_dedup
     if nd.ngram < 1 or nd.bands < 1 or nd.rows < 1:
         problems.append("near_dedup.ngram, bands and rows must be ≥ 1")
+    if not 0 <= nd.min_jaccard <= 1:
+        problems.append(f"near_dedup.min_jaccard = {nd.min_jaccard} must lie in [0, 1]")
     if cfg.substring_dedup.min_bytes < 8:
         problems.append(f"substring_dedup.min_bytes = {cfg.substring_dedup.min_bytes} is too small "
                         "(≥ 8; 100 is usual)")
@@ -259,6 +288,10 @@ def validate(cfg: DataPipelineConfig, stages: list[str] | None = None) -> list[s
         problems.append("stage 'perplexity' needs perplexity.checkpoint (a model checkpoint directory)")
     if "perplexity" in run and not (px.max_perplexity or px.keep_percentile):
         problems.append("stage 'perplexity' needs perplexity.max_perplexity or perplexity.keep_percentile")
+    if not 0 < cfg.tokenize.language_alpha <= 1:
+        problems.append(f"tokenize.language_alpha = {cfg.tokenize.language_alpha} must lie in (0, 1]")
+    if any(not (isinstance(w, int | float) and w >= 0) for w in cfg.tokenize.language_weights.values()):
+        problems.append("tokenize.language_weights: every weight must be a number ≥ 0")
     if cfg.tokenize.vocab_size < 258:
         problems.append(f"tokenize.vocab_size = {cfg.tokenize.vocab_size} is too small (≥ 258)")
     if not 0 <= cfg.shard.held_out_fraction < 1:

@@ -42,6 +42,9 @@ from ultratron.data.sources import iter_jsonl
 from ultratron.errors import DataError
 
 DONE = "_DONE.json"
+# A kept document's reason that starts with this is a note, not a change: a rule that could not
+# apply (e.g. no stop words for its language). Counted under `notes`; several are joined by ",".
+NOTE = "note:"
 EXAMPLES_PER_REASON = 3
 SNIPPET_CHARS = 160
 
@@ -145,7 +148,21 @@ class PartStats:
     tokens_out: int = 0
     removed: Counter = field(default_factory=Counter)
     modified: Counter = field(default_factory=Counter)
+    notes: Counter = field(default_factory=Counter)
     examples: dict[str, list[dict]] = field(default_factory=dict)
+    # per language (records with a `language` field): [docs in, docs out, bytes in, bytes out]
+    languages: dict[str, list[int]] = field(default_factory=dict)
+
+    def count_language(self, record: dict, bytes_in: int, bytes_out: int | None) -> None:
+        """`bytes_out` None: the document was removed."""
+        lang = record.get("language")
+        if isinstance(lang, str):
+            row = self.languages.setdefault(lang, [0, 0, 0, 0])
+            row[0] += 1
+            row[2] += bytes_in
+            if bytes_out is not None:
+                row[1] += 1
+                row[3] += bytes_out
 
     def example(self, reason: str, doc_id: str, text: str | None, detail: Any = None) -> None:
         bucket = self.examples.setdefault(reason, [])
@@ -158,7 +175,8 @@ class PartStats:
     def to_dict(self) -> dict:
         return {"docs_in": self.docs_in, "docs_out": self.docs_out, "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "tokens_out": self.tokens_out,
-                "removed": dict(self.removed), "modified": dict(self.modified), "examples": self.examples}
+                "removed": dict(self.removed), "modified": dict(self.modified), "notes": dict(self.notes),
+                "examples": self.examples, "languages": self.languages}
 
 
 class PartWriter:
@@ -188,6 +206,7 @@ class PartWriter:
         self.stats.bytes_in += n_bytes(record["text"])
         self.stats.removed[reason] += 1
         self.stats.example(reason, record["id"], record["text"], detail)
+        self.stats.count_language(record, n_bytes(record["text"]), None)
         self._log(record["id"], "removed", reason, cluster, detail)
 
     def kept(self, record: dict, bytes_in: int | None = None, reason: str | None = None, detail: Any = None,
@@ -199,10 +218,16 @@ class PartWriter:
         self.stats.docs_out += 1
         self.stats.bytes_out += text_bytes
         self.stats.tokens_out += count_tokens(record.get("tokens"))
-        if reason:
-            self.stats.modified[reason] += 1
-            self.stats.example(reason, record["id"], record["text"], detail)
-        self._log(record["id"], "modified" if reason else "kept", reason, cluster, detail)
+        self.stats.count_language(record, text_bytes if bytes_in is None else bytes_in, text_bytes)
+        if reason and reason.startswith(NOTE):
+            for note in reason.split(","):
+                self.stats.notes[note.removeprefix(NOTE)] += 1
+            self._log(record["id"], "kept", reason, cluster, detail)
+        else:
+            if reason:
+                self.stats.modified[reason] += 1
+                self.stats.example(reason, record["id"], record["text"], detail)
+            self._log(record["id"], "modified" if reason else "kept", reason, cluster, detail)
         self._out.write(json.dumps(record, ensure_ascii=False) + "\n")
 
     def _log(self, doc_id: str, decision: str, reason: str | None, cluster: str | None = None,

@@ -32,6 +32,27 @@ def format_table(summaries: list[dict]) -> str:
     return "\n".join([header, *rows])
 
 
+def format_languages(summaries: list[dict]) -> str:
+    """Documents and MB left per language after each stage (records with a `language` field:
+    from the `language` stage on); '' when no stage counted any."""
+    stages = [s for s in summaries if s.get("languages")]
+    if not stages:
+        return ""
+    first = stages[0]["languages"]
+    langs = sorted({lang for s in stages for lang in s["languages"]}, key=lambda lang: (-first.get(lang, [0])[0], lang))
+    header = "| language | " + " | ".join(f"{s['stage']} docs / MB" for s in stages) + " |\n|---|" + \
+             "---:|" * len(stages)
+    rows = []
+    for lang in langs:
+        cells = []
+        for s in stages:
+            _, docs_out, _, bytes_out = s["languages"].get(lang, [0, 0, 0, 0])
+            cells.append(f"{docs_out} / {bytes_out / 1e6:.2f}")
+        in_docs, _, in_bytes, _ = first.get(lang, [0, 0, 0, 0])
+        rows.append(f"| {lang} ({in_docs} in, {in_bytes / 1e6:.2f} MB) | " + " | ".join(cells) + " |")
+    return "\n".join([header, *rows])
+
+
 def merge_decisions(cfg, out_path: Path) -> int:
     """Write the merged decision log; returns its number of lines."""
     lines = 0
@@ -70,9 +91,22 @@ def write_report(cfg, summaries: list[dict], log: Callable[[str], None] = print)
             report["tokenizer_audit_warnings"] = s["audit_warnings"]
     report["decision_lines"] = merge_decisions(cfg, out / "decisions.jsonl")
     table = format_table(summaries)
+    by_language = format_languages(summaries)
     write_json(out / "report.json", report)
-    atomic.write_text(out / "report.md", "# Data curation report\n\n" + table + "\n")
+    atomic.write_text(out / "report.md", "# Data curation report\n\n" + table + "\n" +
+                      (f"\n## By language\n\n{by_language}\n" if by_language else ""))
     log(table)
+    if by_language:
+        log(by_language)
+    for s in summaries:
+        if s["stage"] == "tokenize" and s.get("tokenizer_languages"):
+            from ultratron.curation.stages.tokenize import format_language_table
+
+            tokenizer_table = (f"Tokenizer by language ({s['tokenizer_languages_split']} documents):\n\n"
+                               + format_language_table(s["tokenizer_languages"]))
+            log(tokenizer_table)
+            atomic.write_text(out / "report.md", (out / "report.md").read_text(encoding="utf-8")
+                              + "\n## " + tokenizer_table + "\n")
     for warning in report.get("tokenizer_audit_warnings", []):
         log(f"data: tokenizer audit warning: {warning}")
     log(f"data: report {out / 'report.json'}, decisions {out / 'decisions.jsonl'}")

@@ -40,6 +40,10 @@ def summarize(out_dir: Path) -> dict:
             setattr(total, key, getattr(total, key) + s[key])
         total.removed.update(s["removed"])
         total.modified.update(s["modified"])
+        total.notes.update(s.get("notes", {}))
+        for lang, row in s.get("languages", {}).items():
+            mine = total.languages.setdefault(lang, [0, 0, 0, 0])
+            mine[:] = [a + b for a, b in zip(mine, row, strict=True)]
         for reason, items in s["examples"].items():
             for item in items:
                 total.example(reason, item["id"], item["snippet"], item.get("detail"))

@@ -14,6 +14,7 @@ from ultratron.curation.frame import StageContext
 from ultratron.curation.stages import (
     exact_dedup,
     filters,
+    language,
     near_dedup,
     normalize,
     perplexity,
@@ -27,6 +28,7 @@ from ultratron.curation.stages import (
 RUNNERS: dict[str, Callable[[StageContext], dict]] = {
     "read": read.run,
     "normalize": normalize.run,
+    "language": language.run,
     "exact-dedup": exact_dedup.run,
     "near-dedup": near_dedup.run,
     "substring-dedup": substring_dedup.run,

@@ -19,6 +19,13 @@ Groups (enable any subset with `filter.enabled`), with their sources:
 
 Every document removed says which rule and the measured value (`detail`) in the decision log.
 The defaults suit prose; for code corpora (the built-in corpus) enable only what fits.
+
+Languages: a record with a `language` (the `language` stage writes it) is judged in that
+language's words (`curation/languages.py`: whitespace, or a segmenter for Chinese, Japanese and
+Thai), stop words and rule settings; sentences end with its own marks. A rule that cannot apply
+(no stop-word list for the language; line punctuation in Thai) is skipped and counted among the
+stage's notes as `GROUP:skipped_RULE_LANG`. Records without a language, and English ones, take
+the English rules exactly as before.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from collections import Counter
 
 import numpy as np
 
-from ultratron.curation.frame import StageContext
+from ultratron.curation import languages
+from ultratron.curation.frame import NOTE, StageContext
 
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})  # Gopher's list
 TERMINAL_PUNCT = (".", "!", "?", '"', "'", "”", "’", "。", "！", "？")
@@ -39,6 +47,9 @@ C4_POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", 
              "use cookies")
 _PARAGRAPHS = re.compile(r"\n{2,}")
 _SENTENCE_END = re.compile(r"[.!?。！？]+(?:\s|$)")
+# other languages: CJK, Devanagari, Arabic, Khmer and Myanmar marks end a sentence with or without a space after
+_SENTENCE_END_ANY = re.compile(r"[.!?]+(?:\s|$)|[。！？।॥؟۔។။]+")
+TERMINAL_ANY = TERMINAL_PUNCT + languages.EXTRA_TERMINAL
 
 Verdict = tuple[str | None, object]  # (failed rule or None, measured value)
 
@@ -150,7 +161,11 @@ def _dup_ngram_char_frac(words: list[str] | _NGrams, n: int) -> float:
     return dup / max(grams.total_chars, 1)
 
 
-def gopher_repetition(text: str, f) -> Verdict:
+def _english(lang: str | None) -> bool:
+    return lang in (None, "en")
+
+
+def gopher_repetition(text: str, f, lang: str | None = None) -> Verdict:
     lines = [ln for ln in text.split("\n") if ln.strip()]
     paragraphs = [p for p in _PARAGRAPHS.split(text.strip()) if p.strip()]
     para_frac, para_chars = _dup_stats(paragraphs)
@@ -163,7 +178,8 @@ def gopher_repetition(text: str, f) -> Verdict:
         return "dup_line_frac", round(line_frac, 3)
     if line_chars > f.dup_line_char_frac:
         return "dup_line_char_frac", round(line_chars, 3)
-    grams = _NGrams(text.lower().split())
+    grams = _NGrams(text.lower().split() if lang not in languages.UNSPACED else
+                    languages.words(text.lower(), lang))
     for n, limit in sorted(f.top_ngram_char_frac.items(), key=lambda kv: int(kv[0])):
         value = _top_ngram_char_frac(grams, int(n))
         if value > limit:
@@ -193,7 +209,9 @@ def _tokens_without_alpha_or_alnum(text: str) -> tuple[list[str], list[str]]:
     return no_alpha, no_alnum
 
 
-def gopher_quality(text: str, f) -> Verdict:
+def gopher_quality(text: str, f, lang: str | None = None) -> Verdict:
+    if lang in languages.UNSPACED:
+        return _gopher_quality_segmented(text, f, lang)
     words = text.split()
     # punctuation-only tokens are not words; counts and characters of the rest by subtraction
     no_alpha, not_real = _tokens_without_alpha_or_alnum(text)
@@ -221,9 +239,17 @@ def gopher_quality(text: str, f) -> Verdict:
     alpha = (len(words) - len(no_alpha)) / len(words)
     if alpha < f.min_alpha_words_frac:
         return "min_alpha_words_frac", round(alpha, 3)
+    return _stop_words(words, f, lang)
+
+
+def _stop_words(words: list[str], f, lang: str | None) -> Verdict:
+    stop_words = STOP_WORDS if _english(lang) else languages.STOP_WORDS.get(lang)
+    if stop_words is None:
+        return f"{NOTE}skipped_min_stop_words_{lang}", None
     stops = 0
+    strip = ".,;:!?\"'()" if _english(lang) else ".,;:!?\"'()«»“”„。、，！？：；「」।؟،"
     for w in words:  # stop at the minimum: the count is reported only when it falls short
-        if w.lower().strip(".,;:!?\"'()") in STOP_WORDS:
+        if w.lower().strip(strip) in stop_words:
             stops += 1
             if stops >= f.min_stop_words:
                 break
@@ -232,10 +258,42 @@ def gopher_quality(text: str, f) -> Verdict:
     return None, None
 
 
+def _gopher_quality_segmented(text: str, f, lang: str) -> Verdict:
+    """Gopher's quality rules on a segmenter's words (languages written without spaces)."""
+    tokens = languages.segment(text, lang)
+    words = [t for t in tokens if any(ch.isalnum() for ch in t)]
+    if len(words) < f.min_words:
+        return "min_words", len(words)
+    if len(words) > f.max_words:
+        return "max_words", len(words)
+    mean_len = sum(map(len, words)) / len(words)
+    if mean_len < f.min_mean_word_len:
+        return "min_mean_word_len", round(mean_len, 2)
+    if mean_len > f.max_mean_word_len:
+        return "max_mean_word_len", round(mean_len, 2)
+    symbols = text.count("#") + text.count("...") + text.count("…")
+    if symbols / len(words) > f.max_symbol_word_ratio:
+        return "max_symbol_word_ratio", round(symbols / len(words), 3)
+    lines = [ln.strip() for ln in text.split("\n") if ln.strip()]
+    if lines:
+        bullets = sum(ln.startswith(BULLETS) for ln in lines) / len(lines)
+        if bullets > f.max_bullet_lines_frac:
+            return "max_bullet_lines_frac", round(bullets, 3)
+        ellipsis = sum(ln.endswith(ELLIPSES) for ln in lines) / len(lines)
+        if ellipsis > f.max_ellipsis_lines_frac:
+            return "max_ellipsis_lines_frac", round(ellipsis, 3)
+    alpha = sum(any(ch.isalpha() for ch in w) for w in words) / len(words)
+    if alpha < f.min_alpha_words_frac:
+        return "min_alpha_words_frac", round(alpha, 3)
+    return _stop_words(words, f, lang)
+
+
 # ---- C4 -------------------------------------------------------------------------------------------
 
-def c4_clean(text: str, f) -> tuple[str | None, str | None, object]:
+def c4_clean(text: str, f, lang: str | None = None) -> tuple[str | None, str | None, object]:
     """(cleaned text or None, failed rule, value). Removes lines; drops the document if needed."""
+    if not _english(lang):
+        return _c4_clean_language(text, f, lang)
     lower = text.lower()
     if "lorem ipsum" in lower:
         return None, "lorem_ipsum", None
@@ -256,31 +314,61 @@ def c4_clean(text: str, f) -> tuple[str | None, str | None, object]:
     return cleaned, None, len(text.split("\n")) - len(kept)  # lines removed
 
 
+def _c4_clean_language(text: str, f, lang: str) -> tuple[str | None, str | None, object]:
+    """C4's rules in another language: its words and sentence marks; in a language that ends
+    sentences without a mark (Thai), lines are not judged by their last character and sentences
+    are the space-separated runs."""
+    lower = text.lower()
+    if "lorem ipsum" in lower:
+        return None, "lorem_ipsum", None
+    if "{" in text:
+        return None, "curly_bracket", None
+    marks = lang not in languages.NO_SENTENCE_MARK
+    kept = []
+    for line in text.split("\n"):
+        stripped = line.strip()
+        low = stripped.lower()
+        if stripped and ((marks and not stripped.endswith(TERMINAL_ANY))
+                         or len(languages.words(stripped, lang)) < f.c4_min_words_per_line
+                         or "javascript" in low or any(p in low for p in C4_POLICY)):
+            continue
+        kept.append(line)
+    cleaned = "\n".join(kept)
+    sentences = len(_SENTENCE_END_ANY.findall(cleaned)) if marks else len(cleaned.split())
+    if sentences < f.c4_min_sentences:
+        return None, "min_sentences", sentences
+    return cleaned, None, len(text.split("\n")) - len(kept)
+
+
 # ---- FineWeb ------------------------------------------------------------------------------------
 
-def fineweb(text: str, f) -> Verdict:
+def fineweb(text: str, f, lang: str | None = None) -> Verdict:
     lines = [ln.strip() for ln in text.split("\n") if ln.strip()]
     if not lines:
         return "no_lines", 0
-    punct = sum(ln.endswith(TERMINAL_PUNCT) for ln in lines) / len(lines)
-    if punct < f.min_line_punct_ratio:
-        return "min_line_punct_ratio", round(punct, 3)
+    skipped = None
+    if lang in languages.NO_SENTENCE_MARK:
+        skipped = f"{NOTE}skipped_min_line_punct_ratio_{lang}"
+    else:
+        punct = sum(ln.endswith(TERMINAL_PUNCT if _english(lang) else TERMINAL_ANY) for ln in lines) / len(lines)
+        if punct < f.min_line_punct_ratio:
+            return "min_line_punct_ratio", round(punct, 3)
     short = sum(len(ln) <= f.short_line_chars for ln in lines) / len(lines)
     if short > f.max_short_line_frac:
         return "max_short_line_frac", round(short, 3)
     _, dup_chars = _dup_stats(lines)
     if dup_chars > f.max_dup_char_line_frac:
         return "max_dup_char_line_frac", round(dup_chars, 3)
-    words = len(text.split())
+    words = len(text.split() if lang not in languages.UNSPACED else languages.words(text, lang))
     ratio = text.count("\n") / max(words, 1)
     if ratio > f.max_newline_ratio:
         return "max_newline_ratio", round(ratio, 3)
-    return None, None
+    return skipped, None
 
 
 # ---- punctuation density ---------------------------------------------------------------------------
 
-def punctuation(text: str, f) -> Verdict:
+def punctuation(text: str, f, lang: str | None = None) -> Verdict:
     counts = Counter(text)  # per distinct character: a document has few of them
     n_chars = n_punct = 0
     for ch, count in counts.items():
@@ -296,7 +384,7 @@ def punctuation(text: str, f) -> Verdict:
     return None, None
 
 
-def length(text: str, f) -> Verdict:
+def length(text: str, f, lang: str | None = None) -> Verdict:
     if len(text) < f.min_chars:
         return "min_chars", len(text)
     if f.max_chars and len(text) > f.max_chars:
@@ -308,22 +396,30 @@ CHECKS = {"length": length, "gopher_repetition": gopher_repetition, "gopher_qual
           "fineweb": fineweb, "punctuation": punctuation}
 
 
-def apply_filters(text: str, f) -> tuple[str | None, str | None, object]:
-    """(text to keep or None, reason like 'gopher_quality:min_words' or 'c4:lines_removed', value)."""
+def apply_filters(text: str, f, lang: str | None = None) -> tuple[str | None, str | None, object]:
+    """(text to keep or None, reason like 'gopher_quality:min_words' or 'c4:lines_removed', value).
+    `lang`: the document's language (None: English rules). A kept document's skipped rules come
+    back as the reason when nothing modified it: `frame.NOTE` + 'GROUP:skipped_...'."""
+    f = languages.settings(f, lang)
     modified: tuple[str, object] | None = None
+    notes = []
     for group in f.enabled:
         if group == "c4":
-            cleaned, rule, value = c4_clean(text, f)
+            cleaned, rule, value = c4_clean(text, f, lang)
             if cleaned is None:
                 return None, f"c4:{rule}", value
             if cleaned != text:
                 text, modified = cleaned, ("c4:lines_removed", value)
             continue
-        rule, value = CHECKS[group](text, f)
-        if rule is not None:
+        rule, value = CHECKS[group](text, f, lang)
+        if rule is not None and rule.startswith(NOTE):
+            notes.append(f"{NOTE}{group}:{rule.removeprefix(NOTE)}")
+        elif rule is not None:
             return None, f"{group}:{rule}", value
     if modified:
         return text, *modified
+    if notes:
+        return text, ",".join(notes), None
     return text, None, None
 
 
@@ -331,7 +427,7 @@ def make_doc_fn(cfg, side):
     f = cfg.filter
 
     def fn(record: dict, index: int):
-        text, reason, value = apply_filters(record["text"], f)
+        text, reason, value = apply_filters(record["text"], f, record.get("language"))
         if text is None:
             return None, reason, None, value
         if reason:
