@@ -91,6 +91,6 @@ def run(args: argparse.Namespace) -> int:
     if summary.get("tokenizer_languages"):
         from ultratron.curation.stages.tokenize import format_language_table
 
-        print(f"tokenizer by language ({summary['tokenizer_languages_split']} documents):")
+        print("tokenizer by language:")
         print(format_language_table(summary["tokenizer_languages"]))
     return 0

@@ -102,8 +102,7 @@ def write_report(cfg, summaries: list[dict], log: Callable[[str], None] = print)
         if s["stage"] == "tokenize" and s.get("tokenizer_languages"):
             from ultratron.curation.stages.tokenize import format_language_table
 
-            tokenizer_table = (f"Tokenizer by language ({s['tokenizer_languages_split']} documents):\n\n"
-                               + format_language_table(s["tokenizer_languages"]))
+            tokenizer_table = "Tokenizer by language:\n\n" + format_language_table(s["tokenizer_languages"])
             log(tokenizer_table)
             atomic.write_text(out / "report.md", (out / "report.md").read_text(encoding="utf-8")
                               + "\n## " + tokenizer_table + "\n")

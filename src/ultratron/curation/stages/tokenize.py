@@ -112,28 +112,29 @@ def language_table(tokenizer, records: list[dict]) -> dict[str, dict]:
 
 
 def format_language_table(table: dict[str, dict]) -> str:
-    lines = ["| language | docs | bytes/token | tokens/word | round trip |", "|---|---:|---:|---:|---|"]
+    lines = ["| language | docs | bytes/token | tokens/word | round trip | measured on |",
+             "|---|---:|---:|---:|---|---|"]
     for lang, row in sorted(table.items(), key=lambda kv: -kv[1]["bytes"]):
         lines.append(f"| {lang} | {row['docs']} | {row['bytes_per_token']} | {row['tokens_per_word']} | "
-                     f"{'yes' if row['round_trip'] else 'NO'} |")
+                     f"{'yes' if row['round_trip'] else 'NO'} | {row.get('measured_on', '')} |")
     return "\n".join(lines)
 
 
-def _language_sample(parts: list[Path], fraction: float) -> tuple[list[dict], str]:
+def _language_sample(parts: list[Path], fraction: float) -> tuple[list[dict], dict[str, str]]:
     """Encoded records per language for its figures: the held-out ones, or all of a language that
-    has none held out; at most LANGUAGE_SAMPLE_BYTES of each. (records, which split)."""
+    has none held out; at most LANGUAGE_SAMPLE_BYTES of each. (records, language → which split)."""
     chosen: dict[str, list[dict]] = {}
     spare: dict[str, list[dict]] = {}
     sizes: dict[tuple[str, bool], int] = {}
     for record in _records(parts, 0):
         if "language" not in record:
-            return [], "none"
+            return [], {}
         lang, is_held = record["language"], bool(fraction) and held_out(record["id"], fraction)
         if sizes.get((lang, is_held), 0) < LANGUAGE_SAMPLE_BYTES:
             (chosen if is_held else spare).setdefault(lang, []).append(record)
             sizes[lang, is_held] = sizes.get((lang, is_held), 0) + len(record["text"].encode("utf-8"))
-    split = "held-out" if chosen else "all"
-    return [r for lang in set(chosen) | set(spare) for r in chosen.get(lang) or spare[lang]], split
+    split = {lang: "held-out" if chosen.get(lang) else "all (none held out)" for lang in set(chosen) | set(spare)}
+    return [r for lang in split for r in chosen.get(lang) or spare[lang]], split
 
 
 def _load(path: str):
@@ -198,9 +199,11 @@ def run(ctx: StageContext) -> dict:
                             corpus_ids=[unpack_tokens(r["tokens"]).tolist() for r in sample])
     sample, split = _language_sample(written, ctx.cfg.shard.held_out_fraction)
     table = language_table(tokenizer, sample) if sample else {}
-    audit["languages"], audit["languages_split"] = table, split
+    for lang, row in table.items():
+        row["measured_on"] = split[lang]
+    audit["languages"] = table
     write_json(ctx.out_dir / AUDIT_FILE, audit)
-    return {"tokenizer_languages": table, "tokenizer_languages_split": split,
+    return {"tokenizer_languages": table,
             "tokenizer": str(path), "tokenizer_sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
             "audit_warnings": audit["warnings"], "audit_round_trip": audit["all_round_trip"],
             "audit_unknown_tokens": audit["unknown_tokens"], "train_cpu_seconds": train_cpu,
