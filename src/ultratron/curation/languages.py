@@ -13,9 +13,10 @@
   keeps Gopher's eight, so English results do not change. A language without a list skips the
   stop-word rule (counted as `gopher_quality:no_stop_words_for_LANG` among the modified reasons,
   never a removal).
-- Rule settings: `RULES[lang]` overrides `FilterSection` fields where a language's words or
-  sentences are shaped differently from English's (mean word length in characters, sentence-final
-  punctuation); every other threshold keeps its English default.
+- Rule settings: `RULES[lang]` overrides `FilterSection` fields with FineWeb-2's published
+  per-language thresholds (repeated lines and n-grams, line punctuation, newlines per word, words
+  with a letter, mean word length); sentence marks per script; every other threshold keeps its
+  English default.
 """
 
 from __future__ import annotations
@@ -71,16 +72,56 @@ class LanguageRules:
     overrides: dict[str, float] = field(default_factory=dict)
 
 
-# Mean word length, in characters, of ordinary prose: English ≈ 4.7 (Gopher keeps 3–10). A word of
-# Chinese or Japanese (as jieba and MeCab segment) is 1–2 characters, one of Thai 3–4, a Korean
-# eojeol (a word and its particles) 2.5–4 syllables: each language's bounds bracket what its prose
-# measures (docs/data.md) with the same relative margins as Gopher's around English.
+def _fineweb2(dup_line: float, top: tuple, dup: tuple, line_punct: float, newline: float, alpha_words: float,
+              word_len: tuple | None) -> dict:
+    """FineWeb-2's published thresholds for one language (its configs/{lang}_{script}.yml, Penedo et al.
+    2025) as FilterSection fields: dup_line_frac, top_n_grams (2, 3, 4), dup_n_grams (5 … 10),
+    line_punct_thr, new_line_ratio, max_non_alpha_words_ratio (the share of words with a letter a
+    document needs) and min/max_avg_word_length."""
+    fields = {"dup_line_frac": dup_line, "top_ngram_char_frac": dict(zip(("2", "3", "4"), top, strict=True)),
+              "dup_ngram_char_frac": dict(zip(map(str, range(5, 11)), dup, strict=True)),
+              "min_line_punct_ratio": line_punct, "max_newline_ratio": newline, "min_alpha_words_frac": alpha_words}
+    if word_len:
+        fields["min_mean_word_len"], fields["max_mean_word_len"] = word_len
+    return fields
+
+
+# FineWeb-2 tuned each rule per language from its own data; where it publishes a threshold for one of
+# these languages it is used here. Two exceptions, where its words are not the ones counted here:
+# Korean — FineWeb-2 splits Korean into morphemes (its stop words are particles: 의, 는, 을), this
+# project into eojeols (a word with its particles, as written between spaces), so Korean keeps the
+# English n-gram and newline thresholds and its own word length (an eojeol of ordinary prose is
+# 2.5–4 syllables: bounds 1.5–8, Gopher's margins around English's 3–10 carried over); and the
+# line-punctuation rule in Thai, which FineWeb-2 sets to 0 (Thai ends sentences with a space) and
+# which is skipped here with a counted note.
 RULES: dict[str, LanguageRules] = {
-    "zh": LanguageRules({"min_mean_word_len": 1.0, "max_mean_word_len": 4.0}),
-    "ja": LanguageRules({"min_mean_word_len": 1.0, "max_mean_word_len": 4.0}),
-    "th": LanguageRules({"min_mean_word_len": 1.5, "max_mean_word_len": 8.0}),
-    "ko": LanguageRules({"min_mean_word_len": 1.5, "max_mean_word_len": 8.0}),
+    "zh": LanguageRules(_fineweb2(0.287, (0.256, 0.201, 0.171), (0.198, 0.182, 0.167, 0.154, 0.14, 0.127),
+                                  0.106, 0.178, 0.735, (1.0, 5.0))),
+    "ja": LanguageRules(_fineweb2(0.375, (0.121, 0.129, 0.145), (0.307, 0.283, 0.264, 0.248, 0.234, 0.223),
+                                  0.167, 0.162, 0.759, (1.0, 5.0))),
+    "th": LanguageRules(_fineweb2(0.349, (0.221, 0.197, 0.162), (0.185, 0.168, 0.152, 0.137, 0.124, 0.111),
+                                  0.0, 0.153, 0.9, (2.0, 10.0))),
+    "hi": LanguageRules(_fineweb2(0.206, (0.208, 0.198, 0.161), (0.135, 0.125, 0.116, 0.108, 0.099, 0.09),
+                                  0.091, 0.316, 0.837, (2.0, 21.0))),
+    "ar": LanguageRules(_fineweb2(0.304, (0.197, 0.172, 0.146), (0.165, 0.153, 0.142, 0.131, 0.12, 0.109),
+                                  0.143, 0.189, 0.787, (2.0, 9.0))),
+    "ru": LanguageRules(_fineweb2(0.322, (0.184, 0.164, 0.146), (0.168, 0.156, 0.145, 0.133, 0.121, 0.109),
+                                  0.231, 0.139, 0.713, (3.0, 11.0))),
+    "ko": LanguageRules({"dup_line_frac": 0.374, "min_line_punct_ratio": 0.062, "min_alpha_words_frac": 0.791,
+                         "min_mean_word_len": 1.5, "max_mean_word_len": 8.0}),
 }
+
+# FineWeb-2's stop words for these languages, added to the lists above where its words are ours
+# (not Korean's morphemes).
+_FINEWEB2_STOP_WORDS = {
+    "zh": "的 年 在 月 是 和 日 了 於 · 為 有 被 人 中 为 他 與 後 也 而 由",
+    "ja": "の に を は た て が と で 年 し ・ 月 れ さ",
+    "th": "ใน ที่ และ ของ เป็น มี การ ได้",
+    "hi": "के में है की और से का को एक हैं पर",
+    "ar": "، في من على إلى عام أن مع أو هو عن التي كان بين ما كانت هي المتحدة بعد",
+    "ru": "в и на с года по году из был к не от что за для его как а он также до после",
+}
+STOP_WORDS.update({lang: STOP_WORDS[lang] | frozenset(words.split()) for lang, words in _FINEWEB2_STOP_WORDS.items()})
 
 
 def settings(f, lang: str | None):
