@@ -28,9 +28,6 @@ FOUR = {
 TWO = {
     "tp2-sp-full": ["--parallel.tp", "2", "--parallel.sp", "true", "--training.recompute", "full"],
     "dp2-zero2-selective": ["--parallel.dp", "2", "--parallel.zero", "2", "--training.recompute", "selective"],
-    # the head and loss a chunk of tokens at a time (kernels/chunked_loss.py) under DDP + ZeRO-1 and under cp
-    "dp2-zero1-loss-chunk": ["--parallel.dp", "2", "--parallel.zero", "1", "--training.loss_chunk", "50"],
-    "cp2-loss-chunk": ["--parallel.cp", "2", "--training.loss_chunk", "50"],
 }
 FP8 = ["--training.precision", "fp8"]
 TWO_FP8 = {

@@ -19,13 +19,7 @@ from ultratron.config.loader import (
     did_you_mean,
     read_toml,
 )
-from ultratron.config.training_rules import (
-    document_problems,
-    fp8_problems,
-    loss_chunk_problems,
-    profile_problems,
-    ramp_problems,
-)
+from ultratron.config.training_rules import document_problems, fp8_problems, profile_problems, ramp_problems
 from ultratron.data.mixture_spec import parse_mixture
 from ultratron.errors import ConfigError
 from ultratron.fields import option, take_fields, taken_from
@@ -103,8 +97,6 @@ class TrainingConfig:
     cpu_linear: str = option("aten", "fp32 linear layers on a CPU: aten (torch's own), or opt in to onednn (oneDNN's "
                                      "matmul, up to 2x torch's MKL sgemm on AMD CPUs; refused with the reason where "
                                      "it cannot run); docs/performance.md", choices=("aten", "onednn"))
-    loss_chunk: int = option(0, "compute the output head and the loss this many tokens at a time, so the full "
-                                "fp32 logits never exist (kernels/chunked_loss.py); 0: off")
     profile_steps: str = option("", "profile optimizer steps N..M (e.g. 5..7): a torch.profiler trace, an operator "
                                     "table and memory views per rank in RUN_DIR/profile/; empty: off")
     device: str = option("auto", "auto picks cuda when available", choices=("auto", "cpu", "cuda"))
@@ -368,7 +360,6 @@ def validate(cfg: Config) -> None:
         p.append(f"training.batch_tokens={t.batch_tokens} is not divisible by micro_batch_size × seq_len × dp = "
                  f"{t.micro_batch_size} × {t.seq_len} × {par.dp} = {micro}; try {lower} or {lower + micro}")
     p += ramp_problems(cfg, micro, p) + profile_problems(t.profile_steps) + fp8_problems(cfg) + document_problems(cfg)
-    p += loss_chunk_problems(cfg)
     if cfg.lora.rank > 0:
         if not m.init_from:
             p.append("lora.rank > 0 trains adapters on a model's own weights: give the model with "

@@ -87,26 +87,3 @@ def document_problems(cfg) -> list[str]:
         p.append(f"document masking ({settings}) with parallel.cp={par.cp} runs on CPU only so far (the CUDA "
                  "kernel's attention bias is not wired in); use cp=1, training.device=cpu or data.document_masking=off")
     return p
-
-
-def loss_chunk_problems(cfg) -> list[str]:
-    """training.loss_chunk: the layouts whose head the chunked loss can take over (one process, DDP,
-    ZeRO-1; with cp each rank's tokens). Others keep whole logits for now, said in one line each."""
-    t, par, m = cfg.training, cfg.parallel, cfg.model
-    if t.loss_chunk < 0:
-        return [f"training.loss_chunk = {t.loss_chunk} must be ≥ 0 (tokens per chunk; 0: off)"]
-    if not t.loss_chunk:
-        return []
-    why = []
-    if par.tp > 1:
-        why.append("parallel.tp > 1 (the head is vocabulary-sharded: loss parallel)")
-    if par.pp > 1:
-        why.append("parallel.pp > 1 (the last stage's loss runs inside the pipeline schedule)")
-    if par.zero >= 2:
-        why.append(f"parallel.zero = {par.zero} (FSDP2 gathers the head's weight only inside the model's forward)")
-    if m.final_softcap > 0:
-        why.append("model.final_softcap > 0 (the cap applies to whole logits)")
-    if cfg.lora.rank > 0:
-        why.append("lora.rank > 0")
-    return [f"training.loss_chunk = {t.loss_chunk} does not work with {w} yet; set training.loss_chunk = 0"
-            for w in why]

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ultratron.kernels.chunked_loss import defer_head
 from ultratron.kernels.cpu_linear import apply_cpu_linear
 from ultratron.models.lora import apply_lora
 from ultratron.models.registry import plan_of
@@ -70,8 +69,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg) -> Parallel:
     model, context = apply_context_parallel(model, dims, plan, cfg.parallel.cp_attention)
     model = apply_recompute(model, cfg.training.recompute, plan)
     model = apply_compile(model, cfg.training.compile, plan)
-    if cfg.training.loss_chunk > 0:  # the step's loss takes over the head (kernels/chunked_loss.py)
-        defer_head(model)
     roots = pipeline.build_stages(model, plan) if pipeline is not None else None
     ignored = set(expert.params) if expert is not None else None
     model, data = apply_data_parallel(model, dims, cfg.training.precision, plan, roots, ignored=ignored)

@@ -8,12 +8,10 @@ loss over the ranks the axes name. The trainer around it clips, steps the optimi
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
 
-from ultratron.kernels.chunked_loss import HeadInput, chunked_cross_entropy, deferred
 from ultratron.parallel.axis import MicroBatch
 from ultratron.parallel.parallelize import Parallel
 from ultratron.training.loss import IGNORE, cross_entropy
@@ -27,24 +25,12 @@ def as_micro_batch(batch: tuple) -> MicroBatch:
 
 class TrainStep:
     def __init__(self, parallel: Parallel, device: torch.device, precision: str, z_loss: float,
-                 compile_loss: bool = False, count_loss_tokens: bool = False, loss_chunk: int = 0):
+                 compile_loss: bool = False, count_loss_tokens: bool = False):
         self.axes, self.device = parallel.axes, device
         self.count_loss_tokens, self.loss_tokens = count_loss_tokens, 0  # the last step's targets that counted
         train_loss = parallel.compiled_loss(cross_entropy, compile_loss)  # (validation's stays eager)
-
-        def loss(out, targets):  # under training.loss_chunk the head hands on its input (a HeadInput)
-            if isinstance(out, HeadInput):
-                return chunked_cross_entropy(out, targets, z_loss, loss_chunk)
-            return train_loss(out, targets, z_loss)
-
-        def around_forward():
-            stack = contextlib.ExitStack()
-            stack.enter_context(autocast(precision, device))
-            if loss_chunk and parallel.model.training:  # validation and sampling want whole logits
-                stack.enter_context(deferred(parallel.model))
-            return stack
-
-        self.runner = self.axes.runner(loss, around_forward)
+        self.runner = self.axes.runner(lambda logits, targets: train_loss(logits, targets, z_loss),
+                                       lambda: autocast(precision, device))
 
     def forward_backward(self, next_batch: Callable, n_micro_batches: int) -> float:
         """Accumulate the gradients of `n_micro_batches` micro-batches; returns their mean loss over
