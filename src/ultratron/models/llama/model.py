@@ -313,8 +313,9 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache=None, positions: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids (batch, seq) → logits (batch, seq, vocab) (or the hidden states, see `hidden_out`). `cache` (inference only, e.g.
-        `ultratron.inference.kv_cache.KVCache`) supplies each row's positions and keeps keys/values;
+        """Token ids (batch, seq) → logits (batch, seq, vocab), or the hidden states (`hidden_out`).
+        `cache` (inference only, e.g. `ultratron.inference.kv_cache.KVCache`) supplies each row's
+        positions and keeps keys/values;
         `positions` (seq,) are the tokens' positions when they are not 0, 1, ... (a shard of a longer
         sequence, as context parallelism hands each rank); `documents` (batch, seq) number the packed
         documents of each row: attention stays within a document and positions restart at each
