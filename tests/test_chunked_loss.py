@@ -132,5 +132,5 @@ def test_loss_chunk_is_refused_where_it_does_not_run_yet():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["--training.loss_chunk", "512", "--parallel.tp", "2"])
     assert info.value.problems == [
-        "training.loss_chunk=512 runs on one process or under DDP/ZeRO-1 for now, not with parallel.tp=2, pp=1, "
-        "cp=1, zero=0; use training.loss_chunk=0"]
+        "training.loss_chunk=512 runs on one process or under DDP/ZeRO-1 for now, not with tp=2, pp=1, cp=1, "
+        "zero=0; use training.loss_chunk=0"]

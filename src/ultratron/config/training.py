@@ -81,8 +81,8 @@ class ParallelConfig:
 @dataclass
 @take_fields(Layout, STEP_FIELDS, after="batch_tokens", micro_batch_size=8, seq_len=256, precision="fp32")
 class TrainingConfig:
-    """`micro_batch_size`, `seq_len`, `precision`, `fp8_scaling`, `recompute` and `compile` are the layout's
-    (`planning.layout`);
+    """`micro_batch_size`, `seq_len`, `precision`, `fp8_scaling`, `recompute`, `compile` and `loss_chunk` are the
+    layout's (`planning.layout`);
     its gradient accumulation is derived from `batch_tokens` (`Config.grad_accum_steps`)."""
 
     steps: int = option(200, "optimizer steps", minimum=1)
@@ -93,9 +93,6 @@ class TrainingConfig:
                            "and the LR schedule follows tokens")
     grad_clip: float = option(1.0, "global-norm clipping; 0 disables (the norm is still logged)")
     z_loss: float = option(0.0, "PaLM z-loss coefficient (1e-4 in Chowdhery et al. 2022); 0 disables")
-    loss_chunk: int = option(0, "tokens per chunk of the output head and its fp32 cross-entropy, computed chunk by "
-                                "chunk so that the whole logits tensor never exists (forward or backward); 0 "
-                                "computes them whole. One process or DDP only for now", minimum=0)
     seed: int = option(0, "seeds the weights, the data order and sampling")
     cpu_linear: str = option("aten", "fp32 linear layers on a CPU: aten (torch's own), or opt in to onednn (oneDNN's "
                                      "matmul, up to 2x torch's MKL sgemm on AMD CPUs; refused with the reason where "
@@ -387,9 +384,6 @@ def validate(cfg: Config) -> None:
         p.append(f"optim.warmup_steps must be ≥ 0, got {o.warmup_steps}")
     if not 0 <= cfg.data.held_out_fraction < 1:
         p.append(f"data.held_out_fraction must lie in [0, 1), got {cfg.data.held_out_fraction}")
-    if t.loss_chunk > 0 and (par.tp > 1 or par.pp > 1 or par.cp > 1 or (par.dp > 1 and cfg.layout.zero >= 2)):
-        p.append(f"training.loss_chunk={t.loss_chunk} runs on one process or under DDP/ZeRO-1 for now, not with "
-                 f"parallel.tp={par.tp}, pp={par.pp}, cp={par.cp}, zero={cfg.layout.zero}; use training.loss_chunk=0")
     if t.grad_clip < 0:
         p.append(f"training.grad_clip must be ≥ 0 (0 disables clipping), got {t.grad_clip}")
     p += parse_mixture(cfg.data.sources, cfg.data.weights, cfg.data.schedule)[1]

@@ -38,7 +38,7 @@ FP8_SCALINGS = ("tensorwise", "rowwise")
 # derives it from training.batch_tokens), nor do the planner's own two fields (see `Layout`).
 PARALLEL_FIELDS = ("dp", "dp_replicate", "zero", "tp", "sp", "pp", "pp_schedule", "pp_virtual_stages", "pp_split",
                    "pp_balance", "cp", "ep")
-STEP_FIELDS = ("micro_batch_size", "seq_len", "precision", "fp8_scaling", "recompute", "compile")
+STEP_FIELDS = ("micro_batch_size", "seq_len", "precision", "fp8_scaling", "recompute", "compile", "loss_chunk")
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,9 @@ class Layout:
     compile: bool = option(False, "torch.compile each transformer block and the loss (after recompute, before "
                                   "FSDP/DDP; the trainer not yet with tp); the planner prices the fused kernels; "
                                   "docs/performance.md")
+    loss_chunk: int = option(0, "tokens per chunk of the output head and its fp32 cross-entropy, computed chunk by "
+                                "chunk so that the whole logits tensor never exists (forward or backward); 0 "
+                                "computes them whole. The trainer: one process or DDP/ZeRO-1 for now", minimum=0)
     fp32_grad_accum: bool = option(False, "price the Megatron-LM convention instead of the trainer's: bf16 "
                                           "weights, fp32 main gradients (no bf16 copy), fp32 master weights")
     # like Megatron's --attention-softmax-in-fp32; ultratron does this for bf16 on CPU

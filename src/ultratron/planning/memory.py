@@ -293,7 +293,7 @@ def _stage_items(shape, layout: Layout, stage: int, layers: int, n_stages: int,
         head, loss_items = last_stage_items(shape, layout, model)
         alive += sum(head.values())
         loss = sum(loss_items.values())
-        freed = sum(head.values()) + loss_items["log-probabilities"]
+        freed = sum(head.values()) + loss_items.get("log-probabilities", 0.0)
     return alive + loss, loss, freed
 
 
