@@ -38,7 +38,8 @@ FP8_SCALINGS = ("tensorwise", "rowwise")
 # derives it from training.batch_tokens), nor do the planner's own two fields (see `Layout`).
 PARALLEL_FIELDS = ("dp", "dp_replicate", "zero", "tp", "sp", "pp", "pp_schedule", "pp_virtual_stages", "pp_split",
                    "pp_balance", "cp", "ep")
-STEP_FIELDS = ("micro_batch_size", "seq_len", "precision", "fp8_scaling", "recompute", "compile", "loss_chunk")
+STEP_FIELDS = ("micro_batch_size", "seq_len", "precision", "fp8_scaling", "recompute", "compile", "loss_chunk",
+               "offload_activations")
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,9 @@ class Layout:
     loss_chunk: int = option(0, "tokens per chunk of the output head and its fp32 cross-entropy, computed chunk by "
                                 "chunk so that the whole logits tensor never exists (forward or backward); 0 "
                                 "computes them whole. The trainer: one process or DDP/ZeRO-1 for now", minimum=0)
+    offload_activations: bool = option(False, "the tensors the transformer blocks save for backward go to (pinned) "
+                                              "host memory in forward and come back in backward; the planner prices "
+                                              "the host memory and the PCIe traffic")
     fp32_grad_accum: bool = option(False, "price the Megatron-LM convention instead of the trainer's: bf16 "
                                           "weights, fp32 main gradients (no bf16 copy), fp32 master weights")
     # like Megatron's --attention-softmax-in-fp32; ultratron does this for bf16 on CPU

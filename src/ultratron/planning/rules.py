@@ -75,6 +75,9 @@ def trainer_limits(layout, name: Namer = config_name) -> list[str]:
         limits.append(f"{name('training.loss_chunk')}={layout.loss_chunk} runs on one process or under DDP/ZeRO-1 "
                       f"for now, not with tp={layout.tp}, pp={layout.pp}, cp={layout.cp}, zero={layout.zero}; "
                       f"use {name('training.loss_chunk')}=0")
+    if layout.offload_activations and layout.compile:
+        limits.append(f"{name('training.offload_activations')} does not yet work with {name('training.compile')}: "
+                      "the offload hooks would run inside the compiled blocks; use one of them")
     return limits
 
 
