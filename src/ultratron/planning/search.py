@@ -93,11 +93,13 @@ class Estimate:
     exposed: list[float] = field(default_factory=list)  # each collective's seconds on the critical path
     elementwise_s: float = 0.0  # norms, residuals, rotary, SwiGLU, the loss (planning.compute.kernel_seconds)
     optimizer_s: float = 0.0  # the optimizer step's reads and writes of the model states
+    offload_s: float = 0.0  # offloaded activations' copies over the host link (out in forward, back in backward)
+    offload_exposed_s: float = 0.0  # of them, what forward's and backward's compute does not hide
     core_share: float = 1.0  # ranks per node × threads ÷ cores, at least 1 (a CPU's shared cores)
     measured_kernels: bool = False  # elementwise work and the optimizer at a profile's measured rates
 
     TIME_TERMS = ("compute_s", "elementwise_s", "tp_comm_s", "cp_exposed_s", "ep_comm_s", "pp_comm_s", "bubble_s",
-                  "dp_comm_s", "dp_exposed_s", "optimizer_s")
+                  "dp_comm_s", "dp_exposed_s", "optimizer_s", "offload_s", "offload_exposed_s")
 
     def as_dict(self) -> dict:
         """What `plan estimate --json` prints for a layout (and `plan search --json` for each it ranks):
@@ -255,6 +257,8 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     # ranks sharing a CPU's cores each run at their share of them (1 on a GPU)
     share = acc.core_share(min(spec.n_gpus, spec.gpus_per_node))
     compute = share * tokens * model_flops_per_token * hardware_factor * imbalance / (spec.n_gpus * peak * efficiency)
+    if layout.loss_chunk:  # the chunked loss runs the head's matmul again in backward (2·h·V FLOPs a token)
+        compute += share * tokens * 2 * shape.dim * shape.vocab_size / (spec.n_gpus * peak * efficiency)
     m = layout.grad_accum
     parts = elementwise_parts(shape, layout, memory)
     elementwise = share * m * kernel_seconds(parts, ("layer", "loss"), acc.hbm_bw, acc.kernels)
@@ -275,7 +279,12 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     dp_comm = sum(c.seconds for c in collectives if c.axis == "dp")
     # the schedule's published bubble (planning.pipeline.bubble_fraction; measured: docs/parallel.md)
     bubble_fraction = bubble_fraction_of(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, m)
-    pipelined = compute + elementwise + sum(by_axis.values()) + dp_inside
+    # offload: each micro-batch's moved activations cross the host link out during its forward (about a
+    # third of its compute) and back during its backward (two thirds), on a side stream
+    one_way = memory.host_activations / acc.host_bw
+    offload = 2 * m * one_way
+    offload_exposed = m * (max(0.0, one_way - per_micro / 3) + max(0.0, one_way - 2 * per_micro / 3))
+    pipelined = compute + elementwise + sum(by_axis.values()) + dp_inside + offload_exposed
     bubble = pipelined * bubble_fraction
     step = pipelined + bubble + dp_after + optimizer
     tokens_per_s_per_gpu = tokens / step / spec.n_gpus
@@ -284,7 +293,8 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
                    tokens_per_s_per_gpu * model_flops_per_token / peak,
                    ep_comm_s=by_axis["ep"], efficiency=efficiency, stage_imbalance=imbalance,
                    collectives=collectives, exposed=exposed, elementwise_s=elementwise, optimizer_s=optimizer,
-                   core_share=share, measured_kernels=bool(acc.kernels))
+                   core_share=share, measured_kernels=bool(acc.kernels), offload_s=offload,
+                   offload_exposed_s=offload_exposed)
     est.reasons = _reasons(spec, est, bubble_fraction)
     return est
 
@@ -300,8 +310,13 @@ def _reasons(spec: SearchSpec, est: Estimate, bubble_fraction: float) -> list[st
         f"+ TP {est.tp_comm_s:.2f} "
         f"+ CP {est.cp_exposed_s:.2f} " + (f"+ EP all-to-all {est.ep_comm_s:.2f} " if est.ep_comm_s else "") +
         f"+ PP p2p {est.pp_comm_s:.2f} + bubble {est.bubble_s:.2f} ({bubble_fraction:.0%}) "
-        f"+ DP exposed {est.dp_exposed_s:.2f} (of {est.dp_comm_s:.2f}) + optimizer {est.optimizer_s:.2f}",
+        f"+ DP exposed {est.dp_exposed_s:.2f} (of {est.dp_comm_s:.2f}) + optimizer {est.optimizer_s:.2f}"
+        + (f" + host offload exposed {est.offload_exposed_s:.2f} (of {est.offload_s:.2f} over the host link, "
+           f"{mem.host_activations / GiB:.1f} GiB a micro-batch on the host)" if est.offload_s else ""),
     ]
+    if lay.loss_chunk:
+        reasons.append(f"chunked loss ({lay.loss_chunk} tokens a chunk): no whole logits kept; the head's "
+                       "matmul runs again in backward")
     overheads = {"tensor-parallel collectives": est.tp_comm_s, "context-parallel ring": est.cp_exposed_s,
                  "expert-parallel all-to-all": est.ep_comm_s,
                  "pipeline bubble": est.bubble_s + est.pp_comm_s, "data-parallel sync": est.dp_exposed_s}
