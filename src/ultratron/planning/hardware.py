@@ -69,6 +69,9 @@ class Accelerator:
     # the host link, bytes/s per GPU per direction: PCIe Gen5 x16's 64 GB/s (H100 SXM and PCIe, H200
     # datasheets); activation offload's copies cross it
     host_bw: float = 64 * GB
+    # host memory per GPU that offloaded activations may take: a DGX H100's 2 TiB over its 8 GPUs, half
+    # of it (the data loader, pinned buffers, the process itself take the rest)
+    host_memory_bytes: float = 128 * GiB
     attention_flops: float = 0.0
 
     @property

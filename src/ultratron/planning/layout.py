@@ -159,6 +159,10 @@ class Layout:
             parts.append(f"fp8 {self.fp8_scaling}")
         if self.compile:
             parts.append("compile")
+        if self.offload_activations:
+            parts.append("offload")
+        if self.loss_chunk:
+            parts.append(f"loss-chunk={self.loss_chunk}")
         return " ".join(parts)
 
 

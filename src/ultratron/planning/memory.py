@@ -415,4 +415,7 @@ def estimate_memory_per_rank(shape, layout: Layout, activation_model: str = "per
 def estimate_memory(shape, layout: Layout, activation_model: str = "per-op", lora: tuple | None = None
                     ) -> MemoryBreakdown:
     """Bytes on the heaviest GPU for one training step; raises UserError for an impossible layout."""
-    return max(estimate_memory_per_rank(shape, layout, activation_model, lora), key=lambda m: m.peak_bytes)
+    ranks = estimate_memory_per_rank(shape, layout, activation_model, lora)
+    heaviest = max(ranks, key=lambda m: m.peak_bytes)
+    # offload: the host line is the most any rank puts on its host (the first pipeline stage, most in flight)
+    return replace(heaviest, host_activations=max(m.host_activations for m in ranks))
