@@ -21,7 +21,8 @@ from ultratron.planning.layout import Layout
 
 LAYOUT_FIELDS = ("dp", "dp_replicate", "zero", "tp", "sp", "pp", "pp_schedule", "pp_virtual_stages", "pp_split",
                  "pp_balance", "cp", "ep", "micro_batch_size", "grad_accum", "seq_len", "precision", "fp8_scaling",
-                 "recompute", "compile", "fp32_grad_accum", "attention_fp32")
+                 "recompute", "compile", "loss_chunk",
+                 "offload_activations", "fp32_grad_accum", "attention_fp32")
 DERIVED_BY_THE_CONFIG = {"grad_accum"}  # from training.batch_tokens
 PLANNER_ONLY = {"fp32_grad_accum", "attention_fp32"}  # (why: Layout's docstring)
 SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings", "rope_theta",

@@ -275,6 +275,8 @@ def run_memory(args) -> int:
         rows.append(["peak at"] + [m.peak_moment for _, m in results])
         rows.append(["stage"] + [m.stage if lay.pp == 1 else f"{m.stage} (rank {m.extra['pp_rank']})"
                                  for lay, m in results])
+        if any(lay.offload_activations for lay, _ in results):  # host memory, not in the GPU's peak
+            rows.append(["host (offloaded)"] + [gib(m.host_activations) for _, m in results])
         print(table(header, rows))
         for i, (lay, m) in enumerate(results):
             experts = m.extra["expert_params_on_gpu"]
@@ -377,6 +379,10 @@ def step_table(est) -> str:
     if est.bubble_s:
         rows.append(["pipeline bubble", f"{est.layout.pp_schedule}, {est.layout.grad_accum} micro-batches", "", "", "",
                      "", _seconds(est.bubble_s), f"{est.bubble_s / est.step_s:.1%}"])
+    if est.offload_s:
+        rows.append(["host offload", f"activations to the host and back at {est.memory.host_activations / GiB:.1f} "
+                     "GiB a micro-batch, host link (PCIe)", "", "", "", f"{_seconds(est.offload_s)}, overlapped",
+                     _seconds(est.offload_exposed_s), f"{est.offload_exposed_s / est.step_s:.1%}"])
     rows.append(["optimizer step", f"model states read and written at {rates}", "", "", "", "",
                  _seconds(est.optimizer_s), f"{est.optimizer_s / est.step_s:.1%}"])
     rows.append(["step", "", "", "", "", "", _seconds(est.step_s), "100%"])

@@ -81,8 +81,8 @@ class ParallelConfig:
 @dataclass
 @take_fields(Layout, STEP_FIELDS, after="batch_tokens", micro_batch_size=8, seq_len=256, precision="fp32")
 class TrainingConfig:
-    """`micro_batch_size`, `seq_len`, `precision`, `fp8_scaling`, `recompute` and `compile` are the layout's
-    (`planning.layout`);
+    """`micro_batch_size`, `seq_len`, `precision`, `fp8_scaling`, `recompute`, `compile`, `loss_chunk` and
+    `offload_activations` are the layout's (`planning.layout`);
     its gradient accumulation is derived from `batch_tokens` (`Config.grad_accum_steps`)."""
 
     steps: int = option(200, "optimizer steps", minimum=1)

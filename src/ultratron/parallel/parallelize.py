@@ -28,6 +28,7 @@ from ultratron.parallel.data import apply_data_parallel
 from ultratron.parallel.dims import ParallelDims
 from ultratron.parallel.expert import apply_expert_parallel
 from ultratron.parallel.float8 import apply_float8
+from ultratron.parallel.offload import HostActivations, apply_offload
 from ultratron.parallel.pipeline import split_model
 from ultratron.parallel.recompute import apply_recompute
 from ultratron.parallel.replicas import apply_replicas
@@ -48,6 +49,7 @@ class Parallel:
     model: nn.Module
     axes: Axes
     dims: ParallelDims
+    host: HostActivations | None = None  # the offloaded activations' hooks and accounting, when on
 
     def compiled_loss(self, loss_fn, enabled: bool):
         """The training loss, compiled when `enabled` and the logits are whole (not under tp)."""
@@ -68,6 +70,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg) -> Parallel:
     model, expert = apply_expert_parallel(model, dims, plan)
     model, context = apply_context_parallel(model, dims, plan, cfg.parallel.cp_attention)
     model = apply_recompute(model, cfg.training.recompute, plan)
+    model, host = apply_offload(model, cfg.training.offload_activations, plan)
     model = apply_compile(model, cfg.training.compile, plan)
     roots = pipeline.build_stages(model, plan) if pipeline is not None else None
     ignored = set(expert.params) if expert is not None else None
@@ -76,7 +79,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg) -> Parallel:
         pipeline.finish(model)
     replicas = apply_replicas(dims)  # across replica groups, outside everything a group does inside
     axes = [axis for axis in (data, tensor, pipeline, context, expert, replicas) if axis is not None]
-    return Parallel(model, Axes(axes, model), dims)
+    return Parallel(model, Axes(axes, model), dims, host)
 
 
 def device_of(model: nn.Module) -> torch.device:

@@ -229,6 +229,8 @@ def last_stage_items(shape, layout, model: str = "per-op") -> tuple[dict[str, fl
     else:
         head = {"final norm": 2 * dt.compute * tokens * h / g}  # its input and output
     loss = {"log-probabilities": 4 * tokens * v / t, "targets": 8 * tokens * (2 if t > 1 else 1)}
+    if layout.loss_chunk:  # chunked: forward keeps no logits, backward recomputes one chunk at a time
+        del loss["log-probabilities"]
     if layout.pp > 1:  # the pipeline stage holds its output until its backward
         loss["logits"] = dt.compute * tokens * v / t
     return head, loss
@@ -236,8 +238,15 @@ def last_stage_items(shape, layout, model: str = "per-op") -> tuple[dict[str, fl
 
 def loss_backward_bytes(shape, layout) -> float:
     """The cross-entropy's backward: the fp32 gradients of the log-probabilities and of the logits
-    (and one more under loss_parallel)."""
-    return (3 if layout.tp > 1 else 2) * 4 * _tokens(layout) * shape.vocab_size / layout.tp
+    (and one more under loss_parallel). Chunked (`loss_chunk`): one chunk's at a time, on top of its
+    recomputed forward (the logits in the compute dtype, their fp32 copy and log-probabilities), and
+    the head's fp32 weight gradient that autograd sums over the chunks besides the gradient itself."""
+    tokens, v, t = _tokens(layout), shape.vocab_size, layout.tp
+    passes = (3 if t > 1 else 2) * 4
+    if not layout.loss_chunk:
+        return passes * tokens * v / t
+    chunk = min(layout.loss_chunk, tokens)
+    return (passes + 2 * 4 + dtypes_of(layout).compute) * chunk * v / t + 4 * v * shape.dim / t
 
 
 def block_backward_bytes(shape, layout, model: str = "per-op") -> float:

@@ -299,3 +299,17 @@ def one_gpu_step_seconds(shape, micro_batch: int, seq: int, acc, efficiency: flo
     bf16 = Layout(dp=2, zero=3, micro_batch_size=micro_batch, seq_len=seq)  # FSDP2's bf16 weights and stream
     parts = elementwise_parts(shape, bf16, estimate_memory(shape, bf16))
     return compute + kernel_seconds(parts, ("layer", "loss"), acc.hbm_bw, acc.kernels)
+
+
+def loss_recompute_flops(shape, layout) -> float:
+    """FLOPs a token the chunked loss (`loss_chunk`) adds: the head's matmul again in backward."""
+    return 2 * shape.dim * shape.vocab_size if layout.loss_chunk else 0.0
+
+
+def offload_seconds(host_bytes: float, host_bw: float, per_micro: float, micro_batches: int) -> tuple[float, float]:
+    """(seconds of offload copies over the host link, those compute does not hide): each micro-batch's
+    moved activations go out during its forward (about a third of its compute) and come back during
+    its backward (two thirds), on a side stream."""
+    one_way = host_bytes / host_bw
+    exposed = max(0.0, one_way - per_micro / 3) + max(0.0, one_way - 2 * per_micro / 3)
+    return 2 * micro_batches * one_way, micro_batches * exposed

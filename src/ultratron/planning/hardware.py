@@ -66,6 +66,12 @@ class Accelerator:
     # kind of non-matmul work ("layer", "loss", "optimizer") → (bytes/s, seconds per call), and
     # attention's FLOP/s. Empty / 0: elementwise work at `memory_bw`, attention as `attention_table` says.
     kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # the host link, bytes/s per GPU per direction: PCIe Gen5 x16's 64 GB/s (H100 SXM and PCIe, H200
+    # datasheets); activation offload's copies cross it
+    host_bw: float = 64 * GB
+    # host memory per GPU that offloaded activations may take: a DGX H100's 2 TiB over its 8 GPUs, half
+    # of it (the data loader, pinned buffers, the process itself take the rest)
+    host_memory_bytes: float = 128 * GiB
     attention_flops: float = 0.0
 
     @property

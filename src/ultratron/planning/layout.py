@@ -38,7 +38,8 @@ FP8_SCALINGS = ("tensorwise", "rowwise")
 # derives it from training.batch_tokens), nor do the planner's own two fields (see `Layout`).
 PARALLEL_FIELDS = ("dp", "dp_replicate", "zero", "tp", "sp", "pp", "pp_schedule", "pp_virtual_stages", "pp_split",
                    "pp_balance", "cp", "ep")
-STEP_FIELDS = ("micro_batch_size", "seq_len", "precision", "fp8_scaling", "recompute", "compile")
+STEP_FIELDS = ("micro_batch_size", "seq_len", "precision", "fp8_scaling", "recompute", "compile", "loss_chunk",
+               "offload_activations")
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,12 @@ class Layout:
     compile: bool = option(False, "torch.compile each transformer block and the loss (after recompute, before "
                                   "FSDP/DDP; the trainer not yet with tp); the planner prices the fused kernels; "
                                   "docs/performance.md")
+    loss_chunk: int = option(0, "tokens per chunk of the output head and its fp32 cross-entropy, computed chunk by "
+                                "chunk so that the whole logits tensor never exists (forward or backward); 0 "
+                                "computes them whole. The trainer: one process or DDP/ZeRO-1 for now", minimum=0)
+    offload_activations: bool = option(False, "the tensors the transformer blocks save for backward go to (pinned) "
+                                              "host memory in forward and come back in backward; the planner prices "
+                                              "the host memory and the PCIe traffic")
     fp32_grad_accum: bool = option(False, "price the Megatron-LM convention instead of the trainer's: bf16 "
                                           "weights, fp32 main gradients (no bf16 copy), fp32 master weights")
     # like Megatron's --attention-softmax-in-fp32; ultratron does this for bf16 on CPU
@@ -152,6 +159,10 @@ class Layout:
             parts.append(f"fp8 {self.fp8_scaling}")
         if self.compile:
             parts.append("compile")
+        if self.offload_activations:
+            parts.append("offload")
+        if self.loss_chunk:
+            parts.append(f"loss-chunk={self.loss_chunk}")
         return " ".join(parts)
 
 

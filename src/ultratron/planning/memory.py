@@ -120,6 +120,9 @@ class MemoryBreakdown:
     # FSDP2's last reduce-scatter frees the unsharded accumulation as it makes the sharded gradients;
     # Megatron-LM's fp32 main gradients are what the step reads
     accum_at_step: bool = True
+    # offload_activations: the blocks' saved activations on the host (pinned CPU memory), not on the GPU;
+    # not one of TERMS (device bytes)
+    host_activations: float = 0.0
 
     TERMS = ("parameters", "gradients", "grad_accum_buffer", "master_weights", "optimizer_states",
              "activations", "loss_logits", "comm_buffers", "transient")
@@ -293,7 +296,7 @@ def _stage_items(shape, layout: Layout, stage: int, layers: int, n_stages: int,
         head, loss_items = last_stage_items(shape, layout, model)
         alive += sum(head.values())
         loss = sum(loss_items.values())
-        freed = sum(head.values()) + loss_items["log-probabilities"]
+        freed = sum(head.values()) + loss_items.get("log-probabilities", 0.0)
     return alive + loss, loss, freed
 
 
@@ -324,6 +327,14 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
                                per_stage)
     loss_logits = sum(k * loss for k, loss in zip(in_flight, loss_share, strict=True))
     activations = sum(k * b for k, b in zip(in_flight, per_stage, strict=True)) - loss_logits
+    host = 0.0
+    if layout.offload_activations and layout.recompute == "none":
+        # every block's saved tensors move to the host as they are saved, but the block's own that runs
+        # (forward, or backward once they are back). Under recompute they are the checkpoint's to keep
+        # (its inputs, its cache), which autograd's hooks do not see: nothing moves (parallel/offload.py)
+        one_block = layer_activation_bytes(shape, layout, model)
+        host = max(sum(k * one_block * n for k, n in zip(in_flight, where.layers, strict=True)) - one_block, 0.0)
+        activations -= host
     comm = block_comm = 0.0
     if st.gathered_blocks:
         # a block's sharded parameters: its routed experts too while they are not split
@@ -376,6 +387,7 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
         backward_gradients=backward_gradients,
         step_temporaries=between_steps,
         accum_at_step=st.accum_at_step,
+        host_activations=host,
         stage=where.name,
         extra={"params_on_gpu": params, "pp_rank": where.rank, "stages": where.stages, "first": where.first,
                "last": where.last, "layers_on_stage": sum(where.layers), "layers_per_stage": where.layers,
@@ -403,4 +415,7 @@ def estimate_memory_per_rank(shape, layout: Layout, activation_model: str = "per
 def estimate_memory(shape, layout: Layout, activation_model: str = "per-op", lora: tuple | None = None
                     ) -> MemoryBreakdown:
     """Bytes on the heaviest GPU for one training step; raises UserError for an impossible layout."""
-    return max(estimate_memory_per_rank(shape, layout, activation_model, lora), key=lambda m: m.peak_bytes)
+    ranks = estimate_memory_per_rank(shape, layout, activation_model, lora)
+    heaviest = max(ranks, key=lambda m: m.peak_bytes)
+    # offload: the host line is the most any rank puts on its host (the first pipeline stage, most in flight)
+    return replace(heaviest, host_activations=max(m.host_activations for m in ranks))

@@ -31,7 +31,14 @@ from dataclasses import dataclass, field, replace
 
 from ultratron.errors import UserError
 from ultratron.planning.comm import ATTENTION, COMPUTE, LAST_BACKWARD, Collective, Link, Network, step_collectives
-from ultratron.planning.compute import MATMUL_EFFICIENCY, compute_efficiency, elementwise_parts, kernel_seconds
+from ultratron.planning.compute import (
+    MATMUL_EFFICIENCY,
+    compute_efficiency,
+    elementwise_parts,
+    kernel_seconds,
+    loss_recompute_flops,
+    offload_seconds,
+)
 from ultratron.planning.experts import is_moe
 from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.hardware import Accelerator
@@ -40,6 +47,7 @@ from ultratron.planning.memory import GiB, MemoryBreakdown, estimate_memory
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import LOOPED, SCHEDULES, SINGLE, stage_costs, stage_ranks, stage_split
 from ultratron.planning.pipeline import bubble_fraction as bubble_fraction_of
+from ultratron.planning.reasons import reasons_for
 from ultratron.planning.rules import head_dim_of, layout_problems, pipeline_problems, trainer_limits
 
 SELECTIVE_RECOMPUTE_OVERHEAD = 0.02
@@ -93,11 +101,13 @@ class Estimate:
     exposed: list[float] = field(default_factory=list)  # each collective's seconds on the critical path
     elementwise_s: float = 0.0  # norms, residuals, rotary, SwiGLU, the loss (planning.compute.kernel_seconds)
     optimizer_s: float = 0.0  # the optimizer step's reads and writes of the model states
+    offload_s: float = 0.0  # offloaded activations' copies over the host link (out in forward, back in backward)
+    offload_exposed_s: float = 0.0  # of them, what forward's and backward's compute does not hide
     core_share: float = 1.0  # ranks per node × threads ÷ cores, at least 1 (a CPU's shared cores)
     measured_kernels: bool = False  # elementwise work and the optimizer at a profile's measured rates
 
     TIME_TERMS = ("compute_s", "elementwise_s", "tp_comm_s", "cp_exposed_s", "ep_comm_s", "pp_comm_s", "bubble_s",
-                  "dp_comm_s", "dp_exposed_s", "optimizer_s")
+                  "dp_comm_s", "dp_exposed_s", "optimizer_s", "offload_s", "offload_exposed_s")
 
     def as_dict(self) -> dict:
         """What `plan estimate --json` prints for a layout (and `plan search --json` for each it ranks):
@@ -167,20 +177,26 @@ def enumerate_layouts(spec: SearchSpec):
                     if per_rank % mbs:
                         continue
                     grad_acc = per_rank // mbs
-                    for zero, recompute, (schedule, v), ep in itertools.product(
-                            (0, 1, 2, 3) if dp * cp > 1 else (0,), ("none", "selective", "full"), schedules, eps):
+                    for zero, (recompute, offload), (schedule, v), ep, chunk in itertools.product(
+                            (0, 1, 2, 3) if dp * cp > 1 else (0,), RECOMPUTE_OFFLOAD, schedules, eps, (0, LOSS_CHUNK)):
+                        if chunk and (tp > 1 or pp > 1 or cp > 1 or zero > 1):  # (the trainer's limits)
+                            continue
                         # the trainer's own rules: stages per rank, micro-batches, zero 3, recompute
                         if pipeline_problems(shape, pp=pp, schedule=schedule, virtual_stages=v,
                                              micro_batches=grad_acc, dp=dp * cp, zero=zero, recompute=recompute):
                             continue
                         yield Layout(dp=dp, zero=zero, tp=tp, sp=tp > 1, pp=pp, pp_schedule=schedule,
                                      pp_virtual_stages=v, cp=cp, ep=ep, micro_batch_size=mbs, grad_accum=grad_acc,
-                                     seq_len=spec.seq_len, recompute=recompute, precision=spec.precision)
+                                     seq_len=spec.seq_len, recompute=recompute, precision=spec.precision,
+                                     loss_chunk=chunk, offload_activations=offload)
 
 
 # The fields `enumerate_layouts` chooses; a fixed value of another is set on every layout it yields.
 SEARCHED = ("dp", "zero", "tp", "pp", "pp_schedule", "pp_virtual_stages", "cp", "ep", "micro_batch_size", "grad_accum",
-            "seq_len", "recompute", "precision")
+            "seq_len", "recompute", "precision", "loss_chunk", "offload_activations")
+# recompute, or offload (which moves nothing under recompute: planning.memory), or neither; the loss's chunk
+RECOMPUTE_OFFLOAD = (("none", False), ("none", True), ("selective", False), ("full", False))
+LOSS_CHUNK = 1024
 
 
 def constrained_layouts(spec: SearchSpec):
@@ -255,6 +271,7 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     # ranks sharing a CPU's cores each run at their share of them (1 on a GPU)
     share = acc.core_share(min(spec.n_gpus, spec.gpus_per_node))
     compute = share * tokens * model_flops_per_token * hardware_factor * imbalance / (spec.n_gpus * peak * efficiency)
+    compute += share * tokens * loss_recompute_flops(shape, layout) / (spec.n_gpus * peak * efficiency)
     m = layout.grad_accum
     parts = elementwise_parts(shape, layout, memory)
     elementwise = share * m * kernel_seconds(parts, ("layer", "loss"), acc.hbm_bw, acc.kernels)
@@ -275,7 +292,8 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     dp_comm = sum(c.seconds for c in collectives if c.axis == "dp")
     # the schedule's published bubble (planning.pipeline.bubble_fraction; measured: docs/parallel.md)
     bubble_fraction = bubble_fraction_of(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, m)
-    pipelined = compute + elementwise + sum(by_axis.values()) + dp_inside
+    offload, offload_exposed = offload_seconds(memory.host_activations, acc.host_bw, per_micro, m)
+    pipelined = compute + elementwise + sum(by_axis.values()) + dp_inside + offload_exposed
     bubble = pipelined * bubble_fraction
     step = pipelined + bubble + dp_after + optimizer
     tokens_per_s_per_gpu = tokens / step / spec.n_gpus
@@ -284,50 +302,10 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
                    tokens_per_s_per_gpu * model_flops_per_token / peak,
                    ep_comm_s=by_axis["ep"], efficiency=efficiency, stage_imbalance=imbalance,
                    collectives=collectives, exposed=exposed, elementwise_s=elementwise, optimizer_s=optimizer,
-                   core_share=share, measured_kernels=bool(acc.kernels))
-    est.reasons = _reasons(spec, est, bubble_fraction)
+                   core_share=share, measured_kernels=bool(acc.kernels), offload_s=offload,
+                   offload_exposed_s=offload_exposed)
+    est.reasons = reasons_for(spec, est, bubble_fraction)
     return est
-
-
-def _reasons(spec: SearchSpec, est: Estimate, bubble_fraction: float) -> list[str]:
-    mem, lay = est.memory, est.layout
-    reasons = [
-        f"fits: {mem.peak_bytes / GiB:.1f} GiB of {spec.usable_bytes / GiB:.1f} GiB usable "
-        f"({spec.headroom:.0%} headroom) — model states {mem.static_bytes / GiB:.1f}, "
-        f"activations {(mem.activations + mem.loss_logits) / GiB:.1f}, "
-        f"other {(mem.comm_buffers + mem.transient) / GiB:.1f}",
-        f"step {est.step_s:.2f} s = compute {est.compute_s:.2f} + elementwise {est.elementwise_s:.2f} "
-        f"+ TP {est.tp_comm_s:.2f} "
-        f"+ CP {est.cp_exposed_s:.2f} " + (f"+ EP all-to-all {est.ep_comm_s:.2f} " if est.ep_comm_s else "") +
-        f"+ PP p2p {est.pp_comm_s:.2f} + bubble {est.bubble_s:.2f} ({bubble_fraction:.0%}) "
-        f"+ DP exposed {est.dp_exposed_s:.2f} (of {est.dp_comm_s:.2f}) + optimizer {est.optimizer_s:.2f}",
-    ]
-    overheads = {"tensor-parallel collectives": est.tp_comm_s, "context-parallel ring": est.cp_exposed_s,
-                 "expert-parallel all-to-all": est.ep_comm_s,
-                 "pipeline bubble": est.bubble_s + est.pp_comm_s, "data-parallel sync": est.dp_exposed_s}
-    worst, worst_s = max(overheads.items(), key=lambda kv: kv[1])
-    if worst_s > 0.01 * est.step_s:
-        reasons.append(f"largest overhead: {worst} ({worst_s / est.step_s:.0%} of the step)")
-    else:
-        reasons.append("communication is hidden: the step is compute-bound")
-    if lay.recompute != "none":
-        lighter = "selective" if lay.recompute == "full" else "none"
-        if check_layout(spec.shape, replace(lay, recompute=lighter)):  # (selective: not with a split backward)
-            lighter = "none"
-        need = estimate_memory(spec.shape, replace(lay, recompute=lighter), spec.activation_model).peak_bytes
-        cost = "+1/3 compute" if lay.recompute == "full" else "~2% time"
-        reasons.append(f"recompute={lay.recompute} ({cost}): with recompute={lighter} this layout needs "
-                       f"{need / GiB:.1f} GiB" + (" and does not fit" if need > spec.usable_bytes else
-                                                  ", which fits but runs slower at a smaller micro-batch"))
-    if lay.zero:
-        sharded = {1: "optimizer state", 2: "optimizer state and grads", 3: "all model states"}[lay.zero]
-        lower = replace(lay, zero=lay.zero - 1)
-        refused = check_layout(spec.shape, lower)  # (HSDP needs ZeRO 2 or 3)
-        need = 0.0 if refused else estimate_memory(spec.shape, lower, spec.activation_model).peak_bytes
-        why = (f"the trainer refuses it: {refused[0]}" if refused else f"would need {need / GiB:.1f} GiB: "
-               + ("does not fit" if need > spec.usable_bytes else "fits too"))
-        reasons.append(f"ZeRO-{lay.zero} shards {sharded} over {lay.shard_group} ranks (ZeRO-{lay.zero - 1} {why})")
-    return reasons
 
 
 def _complexity(layout: Layout) -> tuple:
@@ -412,7 +390,7 @@ def _evaluate(spec: SearchSpec, keep=None):
             continue
         considered += 1
         memory = estimate_memory(spec.shape, layout, spec.activation_model)
-        if memory.peak_bytes > spec.usable_bytes:
+        if memory.peak_bytes > spec.usable_bytes or memory.host_activations > spec.accelerator.host_memory_bytes:
             too_big += 1
             if closest is None or memory.peak_bytes < closest[0]:
                 closest = (memory.peak_bytes, layout, memory)

@@ -220,7 +220,7 @@ def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir:
     with fake:
         _materialize(parallel)
         optimizer = parallel.axes.wrap_optimizer(build_optimizer(parallel.model, cfg.optim))
-        step = TrainStep(parallel, device, t.precision, t.z_loss, compile_loss=False)
+        step = TrainStep(parallel, device, t.precision, t.z_loss, compile_loss=False, loss_chunk=t.loss_chunk)
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
 
         def one_step(tracker=None) -> tuple[dict, int, int]:

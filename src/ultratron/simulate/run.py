@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ultratron.config import load_config
 from ultratron.errors import UserError
+from ultratron.planning.compute import loss_recompute_flops
 from ultratron.planning.flops import stage_flops_per_token
 from ultratron.planning.memory import estimate_memory_per_rank, pipeline_ranks
 from ultratron.planning.params import count_params_of
@@ -105,6 +106,7 @@ def simulate(config: str | None, overrides: list[str], ranks: str = "roles", pla
             where = where_per_pp[c.pp]
             flops = sum(stage_flops_per_token(cfg.model, t.seq_len, layers, last=where.last and s == where.stages[-1])
                         for s, layers in zip(where.stages, where.layers, strict=True))
+            flops += loss_recompute_flops(cfg.model, layout) if where.last else 0.0  # (the chunked loss's)
             planned_flops = flops * tokens / (layout.tp * layout.cp)
             results.append({**got, "role": role, "coordinates": c.describe(), "pp_rank": c.pp,
                             "planned_peak_bytes": planned.peak_bytes,

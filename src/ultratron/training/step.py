@@ -8,13 +8,15 @@ loss over the ranks the axes name. The trainer around it clips, steps the optimi
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from ultratron.parallel.axis import MicroBatch
 from ultratron.parallel.parallelize import Parallel
-from ultratron.training.loss import IGNORE, cross_entropy
+from ultratron.training.loss import IGNORE, chunked_cross_entropy, cross_entropy
 from ultratron.training.precision import autocast
 
 
@@ -23,11 +25,38 @@ def as_micro_batch(batch: tuple) -> MicroBatch:
     return MicroBatch(batch[0], batch[1], documents=batch[2] if len(batch) > 2 else None)
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model itself inside DDP's or torch.compile's wrapper."""
+    while isinstance(getattr(model, "module", None) or getattr(model, "_orig_mod", None), nn.Module):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model
+
+
+@contextlib.contextmanager
+def hidden_out_in_training(model: nn.Module, precision: str, device: torch.device):
+    """Autocast, and a training-mode forward that returns the hidden states (evaluation keeps logits)."""
+    model.hidden_out = model.training
+    try:
+        with autocast(precision, device):
+            yield
+    finally:
+        model.hidden_out = False
+
+
 class TrainStep:
     def __init__(self, parallel: Parallel, device: torch.device, precision: str, z_loss: float,
-                 compile_loss: bool = False, count_loss_tokens: bool = False):
+                 compile_loss: bool = False, count_loss_tokens: bool = False, loss_chunk: int = 0):
         self.axes, self.device = parallel.axes, device
         self.count_loss_tokens, self.loss_tokens = count_loss_tokens, 0  # the last step's targets that counted
+        if loss_chunk > 0:  # the model hands over its hidden states in training; the loss makes the logits
+            model = unwrapped(parallel.model)
+
+            def train_loss_of(hidden, targets):
+                with autocast(precision, device):  # (the head's matmul as inside the forward)
+                    return chunked_cross_entropy(hidden, model.head, targets, z_loss, loss_chunk)
+
+            self.runner = self.axes.runner(train_loss_of, lambda: hidden_out_in_training(model, precision, device))
+            return
         train_loss = parallel.compiled_loss(cross_entropy, compile_loss)  # (validation's stays eager)
         self.runner = self.axes.runner(lambda logits, targets: train_loss(logits, targets, z_loss),
                                        lambda: autocast(precision, device))

@@ -95,7 +95,7 @@ class Trainer:
         self.optimizer = self.axes.wrap_optimizer(build_optimizer(self.model, cfg.optim))
         self.batch = BatchSchedule.from_config(cfg)  # tokens per step: fixed, or a ramp
         self.strategy = TrainStep(parallel, self.device, t.precision, t.z_loss, t.compile,
-                                  count_loss_tokens=cfg.data.masked_targets)
+                                  count_loss_tokens=cfg.data.masked_targets, loss_chunk=t.loss_chunk)
         self.routers = RouterStats(self.model, self.axes)
         self.state = TrainState(self.train_loader, to_dict(cfg))
         # under LoRA a checkpoint holds the adapters (and their optimizer state); the frozen model is

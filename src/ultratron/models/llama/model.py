@@ -285,6 +285,10 @@ class Llama(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # When True, forward stops before the output head and returns the final normed hidden states
+        # (batch, seq, dim); `head(h)` makes their logits, e.g. chunk by chunk in a loss that never
+        # holds the whole (batch, seq, vocab) tensor. Whoever runs the model decides; default logits.
+        self.hidden_out = False
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling,
                                args.rope_scaling_params)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -309,8 +313,9 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache=None, positions: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids (batch, seq) → logits (batch, seq, vocab). `cache` (inference only, e.g.
-        `ultratron.inference.kv_cache.KVCache`) supplies each row's positions and keeps keys/values;
+        """Token ids (batch, seq) → logits (batch, seq, vocab), or the hidden states (`hidden_out`).
+        `cache` (inference only, e.g. `ultratron.inference.kv_cache.KVCache`) supplies each row's
+        positions and keeps keys/values;
         `positions` (seq,) are the tokens' positions when they are not 0, 1, ... (a shard of a longer
         sequence, as context parallelism hands each rank); `documents` (batch, seq) number the packed
         documents of each row: attention stays within a document and positions restart at each
@@ -328,8 +333,12 @@ class Llama(nn.Module):
             cos, sin, mask = self.rope_cos[positions], self.rope_sin[positions], None
         for name, layer in self.layers.items():
             x = layer(x, cos, sin, mask=mask) if cache is None else layer(x, cos, sin, cache.layer(name))
-        logits = self.output(self.norm(x))
-        return softcap(logits, self.args.final_softcap)
+        hidden = self.norm(x)
+        return hidden if self.hidden_out else self.head(hidden)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final normed hidden states (..., dim) → logits (..., vocab)."""
+        return softcap(self.output(hidden), self.args.final_softcap)
 
 
 def build_model(model_cfg, device: str | torch.device = "cpu") -> Llama:

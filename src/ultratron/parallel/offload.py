@@ -1,0 +1,111 @@
+"""Activation offload to host memory, applied from outside the model to each transformer block.
+
+While a block runs forward, every tensor autograd saves for its backward (but the model's own
+parameters and buffers) is copied to host memory and the device copy let go; backward copies it back
+when it unpacks it (torch's `saved_tensors_hooks`). On CUDA the host copy is pinned and made on a side
+stream, overlapped with the next ops' compute (the tensor's memory is kept from reuse until the copy
+is done, `record_stream`); on a CPU host and device are one memory, so the mechanism is checked for
+correctness and for its accounting (`HostActivations.moved`), not for memory saved.
+
+A storage saved twice within a block (one input of two ops, or views of one tensor) moves once.
+Under selective recompute the outputs the checkpoint keeps are held by the checkpoint's own cache,
+not by autograd, and stay put; under full recompute only each block's input is saved: offload and
+recompute compose (the same training), each keeping what the other leaves. On CUDA a storage that
+several saved tensors view is copied back for each (a cache of the device copy is left to do).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ultratron.models.plan import ParallelPlan
+
+
+class HostActivations:
+    """The hooks and their accounting: `moved` bytes copied to the host since the last `reset`,
+    `on_host` bytes there now (the most at once: `peak_on_host`), `returned` bytes copied back."""
+
+    def __init__(self, model: nn.Module):
+        self.constant = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        self.stream = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.moved = self.returned = self.on_host = self.peak_on_host = 0
+
+    def _copy_to_host(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+        if storage.device.type != "cuda":
+            return storage.clone()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(storage.device)
+        self.stream.wait_stream(torch.cuda.current_stream(storage.device))
+        with torch.cuda.stream(self.stream):
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True).untyped_storage()
+            host.copy_(storage, non_blocking=True)
+        # the device memory is not reused before the copy is done
+        torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).record_stream(self.stream)
+        return host
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Whole storages move, once per block forward however many saved tensors view them; a saved
+        tensor comes back as the same view (offset, shape, strides) of its storage's copy, so backward
+        runs the same kernels on the same layouts."""
+        # storage → [host copy, returned, a weak reference to the storage]: an address freed (its tensor
+        # moved) and reused within the block is a new storage, which the weak reference tells apart
+        moved: dict[int, list] = {}
+
+        def pack(tensor: torch.Tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in self.constant or storage.nbytes() == 0:
+                return tensor
+            key = storage.data_ptr()
+            if key not in moved or moved[key][2].expired():
+                moved[key] = [self._copy_to_host(storage), False, StorageWeakRef(storage)]
+                self.moved += storage.nbytes()
+                self.on_host += storage.nbytes()
+                self.peak_on_host = max(self.peak_on_host, self.on_host)
+            view = (tensor.dtype, tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+            return tensor.device, moved[key], view
+
+        def unpack(saved):
+            if isinstance(saved, torch.Tensor):
+                return saved
+            device, record, (dtype, offset, shape, stride) = saved
+            host = record[0]
+            if device.type == "cuda":
+                if self.stream is not None:
+                    torch.cuda.current_stream(device).wait_stream(self.stream)
+                storage = torch.UntypedStorage(host.nbytes(), device=device)
+                storage.copy_(host, non_blocking=True)
+            else:
+                storage = host
+            if not record[1]:  # (a storage several saved tensors view comes back for each; counted once)
+                record[1] = True
+                self.returned += host.nbytes()
+                self.on_host -= host.nbytes()
+            return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def apply_offload(model: nn.Module, enabled: bool, plan: ParallelPlan) -> tuple[nn.Module, HostActivations | None]:
+    """Each block's forward inside the hooks, entered and left by the block's forward hooks (the
+    model's modules and names stay as they are)."""
+    if not enabled:
+        return model, None
+    host = HostActivations(model)
+    entered: list = []
+
+    def enter(module, args):
+        entered.append(host.hooks())
+        entered[-1].__enter__()
+
+    def leave(module, args, output):
+        entered.pop().__exit__(None, None, None)
+
+    for block in plan.blocks(model).children():
+        block.register_forward_pre_hook(enter)
+        block.register_forward_hook(leave, always_call=True)
+    return model, host

@@ -1,0 +1,59 @@
+"""The reasons `plan estimate` and `plan search` give for a layout: what fits and why, what the step
+is made of, and what each of its memory-saving choices buys."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ultratron.planning.layout import check_layout
+from ultratron.planning.memory import GiB, estimate_memory
+
+
+def reasons_for(spec, est, bubble_fraction: float) -> list[str]:
+    """Why a layout (an `Estimate` of `spec`, a `SearchSpec`): what fits, what the step is made of,
+    and what each memory-saving choice buys (what the layout would need without it)."""
+    mem, lay = est.memory, est.layout
+    reasons = [
+        f"fits: {mem.peak_bytes / GiB:.1f} GiB of {spec.usable_bytes / GiB:.1f} GiB usable "
+        f"({spec.headroom:.0%} headroom) — model states {mem.static_bytes / GiB:.1f}, "
+        f"activations {(mem.activations + mem.loss_logits) / GiB:.1f}, "
+        f"other {(mem.comm_buffers + mem.transient) / GiB:.1f}",
+        f"step {est.step_s:.2f} s = compute {est.compute_s:.2f} + elementwise {est.elementwise_s:.2f} "
+        f"+ TP {est.tp_comm_s:.2f} "
+        f"+ CP {est.cp_exposed_s:.2f} " + (f"+ EP all-to-all {est.ep_comm_s:.2f} " if est.ep_comm_s else "") +
+        f"+ PP p2p {est.pp_comm_s:.2f} + bubble {est.bubble_s:.2f} ({bubble_fraction:.0%}) "
+        f"+ DP exposed {est.dp_exposed_s:.2f} (of {est.dp_comm_s:.2f}) + optimizer {est.optimizer_s:.2f}"
+        + (f" + offload {est.offload_exposed_s:.2f} (of {est.offload_s:.2f})" if est.offload_s else ""),
+    ]
+    overheads = {"tensor-parallel collectives": est.tp_comm_s, "context-parallel ring": est.cp_exposed_s,
+                 "expert-parallel all-to-all": est.ep_comm_s,
+                 "pipeline bubble": est.bubble_s + est.pp_comm_s, "data-parallel sync": est.dp_exposed_s}
+    worst, worst_s = max(overheads.items(), key=lambda kv: kv[1])
+    if worst_s > 0.01 * est.step_s:
+        reasons.append(f"largest overhead: {worst} ({worst_s / est.step_s:.0%} of the step)")
+    else:
+        reasons.append("communication is hidden: the step is compute-bound")
+    if lay.recompute != "none":
+        lighter = "selective" if lay.recompute == "full" else "none"
+        if check_layout(spec.shape, replace(lay, recompute=lighter)):  # (selective: not with a split backward)
+            lighter = "none"
+        need = estimate_memory(spec.shape, replace(lay, recompute=lighter), spec.activation_model).peak_bytes
+        cost = "+1/3 compute" if lay.recompute == "full" else "~2% time"
+        reasons.append(f"recompute={lay.recompute} ({cost}): with recompute={lighter} this layout needs "
+                       f"{need / GiB:.1f} GiB" + (" and does not fit" if need > spec.usable_bytes else
+                                                  ", which fits but runs slower at a smaller micro-batch"))
+    if lay.zero:
+        sharded = {1: "optimizer state", 2: "optimizer state and grads", 3: "all model states"}[lay.zero]
+        lower = replace(lay, zero=lay.zero - 1)
+        refused = check_layout(spec.shape, lower)  # (HSDP needs ZeRO 2 or 3)
+        need = 0.0 if refused else estimate_memory(spec.shape, lower, spec.activation_model).peak_bytes
+        why = (f"the trainer refuses it: {refused[0]}" if refused else f"would need {need / GiB:.1f} GiB: "
+               + ("does not fit" if need > spec.usable_bytes else "fits too"))
+        reasons.append(f"ZeRO-{lay.zero} shards {sharded} over {lay.shard_group} ranks (ZeRO-{lay.zero - 1} {why})")
+    for name, off, cost in (("offload_activations", False, f"{est.offload_exposed_s:.2f} s of host copies exposed"),
+                            ("loss_chunk", 0, "the head's matmul again in backward")):
+        if getattr(lay, name):
+            need = estimate_memory(spec.shape, replace(lay, **{name: off}), spec.activation_model).peak_bytes
+            reasons.append(f"{name}={getattr(lay, name)} ({cost}): without it this layout needs {need / GiB:.1f} GiB"
+                           + (" and does not fit" if need > spec.usable_bytes else ", which fits too"))
+    return reasons
