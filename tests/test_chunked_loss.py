@@ -19,6 +19,7 @@ import json
 import pytest
 import torch
 
+from tolerances import CHUNKED
 from ultratron.config import load_config
 from ultratron.errors import ConfigError
 from ultratron.models.registry import build_model
@@ -90,7 +91,8 @@ def test_twenty_fp32_steps_give_the_same_loss_curve():
             opt.step()
             curve.append(loss.item())
         curves.append(torch.tensor(curve, dtype=torch.float64))
-    assert torch.allclose(curves[1], curves[0], rtol=LOSS_RTOL, atol=0), (curves[1] / curves[0] - 1).abs().max()
+    gaps = (curves[1] / curves[0] - 1).abs()  # two training runs: tests/tolerances.py, CHUNKED
+    assert gaps.max() <= CHUNKED["loss"], gaps.max()
 
 
 def test_the_step_peak_falls_by_at_least_the_planned_logits_bytes():
@@ -125,7 +127,7 @@ def test_the_trainer_with_loss_chunk_logs_the_same_losses_and_norms(tiny_overrid
     for key in ("loss", "grad_norm", "val_loss"):
         a, b = ([r[key] for r in runs[c] if key in r] for c in (0, 100))
         assert len(a) == len(b) > 0
-        assert b == pytest.approx(a, rel=GRAD_TOL if key == "grad_norm" else LOSS_RTOL), key
+        assert b == pytest.approx(a, rel=CHUNKED[key]), key  # two training runs: tests/tolerances.py
 
 
 def test_loss_chunk_is_refused_where_it_does_not_run_yet():

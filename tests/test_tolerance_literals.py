@@ -62,6 +62,11 @@ LINES = {
     "data/test_mixture.py": {"< 0.01": "a share of sampled tokens against its weight: a sampling bound, no rounding",
                              "0.4 < last": "a share of sampled tokens against its schedule: a sampling bound"},
     "test_compile.py": {"allclose": ONE_FORWARD + " (one compiled block against eager)"},
+    "test_chunked_loss.py": {'"peak_ratio"': PLANNER + " (simulate's measured peak against plan memory's)",
+                             '"flops_ratio"': PLANNER + " (simulate's counted FLOPs against the planner's)",
+                             "approx(planned, rel=0.05)": PLANNER + " (the peak's fall, measured and planned)"},
+    "test_offload.py": {"approx(saved, rel=0.05)": "bytes moved to the host against the bytes the blocks save, "
+                                                   "counted by two meters (storages against tensors): no rounding"},
     "test_lora.py": {"1e-5 * want.abs().max()": ONE_FORWARD + " (merged weights against adapters applied)"},
     "test_model.py": {"atol=1e-": ONE_FORWARD + " (the same model on two inputs or with a cap far away)",
                       "rel=0.05": FORMULA + " (the initialisation's standard deviation, sampled)"},

@@ -28,6 +28,11 @@ FOUR = {
 TWO = {
     "tp2-sp-full": ["--parallel.tp", "2", "--parallel.sp", "true", "--training.recompute", "full"],
     "dp2-zero2-selective": ["--parallel.dp", "2", "--parallel.zero", "2", "--training.recompute", "selective"],
+    # the output head and loss a chunk of tokens at a time (training.loss_chunk) under DDP and ZeRO-1,
+    # and the blocks' saved tensors through host memory (training.offload_activations)
+    "dp2-loss-chunk": ["--parallel.dp", "2", "--training.loss_chunk", "50"],
+    "dp2-zero1-loss-chunk-offload": ["--parallel.dp", "2", "--parallel.zero", "1", "--training.loss_chunk", "50",
+                                     "--training.offload_activations", "true"],
 }
 FP8 = ["--training.precision", "fp8"]
 TWO_FP8 = {
