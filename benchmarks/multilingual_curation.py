@@ -9,7 +9,6 @@ tokenizer's bytes per token on held-out text, trained plain and on a language-ba
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -99,7 +98,6 @@ def main() -> None:
         curation(args.seeds, Path(tmp))
         identification(args.seeds)
         tokenizer(args.vocab, Path(tmp))
-    print(json.dumps({"done": True}))
 
 
 if __name__ == "__main__":

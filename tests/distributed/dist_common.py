@@ -43,7 +43,6 @@ BATCH = ["--training.batch_tokens", "1024", "--training.steps", str(STEPS), "--o
          "--training.grad_clip", str(CLIP), "--eval.interval", str(STEPS), "--eval.batches", "2"]
 
 
-TOLERANCES = LAYOUTS  # the name the distributed modules import
 
 
 def records(run_dir) -> list[dict]:
@@ -56,7 +55,7 @@ def assert_equivalent(run_dir: Path, reference_dir: Path, precision: str, name: 
     `first_step`, after a resume), the same losses, gradient norms (before clipping; every step was
     clipped), validation losses and, with `weights`, the same final weights (module docstring);
     a mixture of experts also routes slot for slot as one process and reports the same balancing loss."""
-    tol = TOLERANCES[precision]
+    tol = LAYOUTS[precision]
     got, expected = read_metrics(run_dir), {r["step"]: r for r in read_metrics(reference_dir) if "step" in r}
     steps = [r for r in got if "loss" in r]
     assert [r["step"] for r in steps] == list(range(first_step, STEPS + 1)), f"{name}: each step logged once"

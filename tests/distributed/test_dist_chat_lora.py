@@ -16,8 +16,9 @@ gradient norms ≤ 2.0e-6 (cp2; the LoRA runs ≤ 2.8e-7), adapters ≤ 2.2e-6.
 import json
 
 import pytest
-from dist_common import TOLERANCES, weights_gap
+from dist_common import weights_gap
 
+from tolerances import LAYOUTS
 from ultratron.checkpoint.store import resolve_checkpoint_dir
 from ultratron.config import load_config
 from ultratron.launch.local import run_local
@@ -97,7 +98,7 @@ def test_chat_and_lora_under_parallel_layouts_equal_one_process(base, tmp_path):
         got, want = _records(tmp_path / name), _records(tmp_path / f"ref-{reference}")
         assert sorted(got) == sorted(want) == list(range(STEPS + 1)), name
         gaps = {}
-        tolerances = {**{k: TOLERANCES["fp32"][k] for k in ("loss", "val_loss", "grad_norm")}, "loss_tokens": 0}
+        tolerances = {**{k: LAYOUTS["fp32"][k] for k in ("loss", "val_loss", "grad_norm")}, "loss_tokens": 0}
         for step, ref in want.items():
             for key, tol in tolerances.items():
                 if key in ref:
@@ -107,7 +108,7 @@ def test_chat_and_lora_under_parallel_layouts_equal_one_process(base, tmp_path):
         if name.startswith("lora"):
             assert json.loads((resolve_checkpoint_dir(tmp_path / name) / "lora.json").read_text())["rank"] == 8
             gaps["adapters"] = weights_gap(tmp_path / name, tmp_path / f"ref-{reference}", _adapters)
-            assert gaps["adapters"] <= TOLERANCES["fp32"]["weights"], (name, gaps)
+            assert gaps["adapters"] <= LAYOUTS["fp32"]["weights"], (name, gaps)
         print(f"{name}: " + ", ".join(f"{k} within {v:.1e}" for k, v in gaps.items()))
 
 

@@ -11,8 +11,8 @@
 - Stop words: the few most frequent function words of each language (FineWeb-2 derives its lists
   from word frequencies per language; these are short hand-written lists of such words). English
   keeps Gopher's eight, so English results do not change. A language without a list skips the
-  stop-word rule (counted as `gopher_quality:no_stop_words_for_LANG` among the modified reasons,
-  never a removal).
+  stop-word rule (counted among the filter stage's notes as
+  `gopher_quality:skipped_min_stop_words_LANG`, never a removal).
 - Rule settings: `RULES[lang]` overrides `FilterSection` fields with FineWeb-2's published
   per-language thresholds (repeated lines and n-grams, line punctuation, newlines per word, words
   with a letter, mean word length); sentence marks per script; every other threshold keeps its
@@ -21,14 +21,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import unicodedata
-from dataclasses import dataclass, field
 
-# Languages written without spaces between words (ISO 639-1); with a segmenter, or characters.
-SEGMENTERS = ("zh", "ja", "th")
-UNSPACED = frozenset({*SEGMENTERS, "lo", "km", "my", "bo"})
+# Languages written without spaces between words (ISO 639-1): zh, ja and th have a segmenter here,
+# the others are cut into characters.
+UNSPACED = frozenset({"zh", "ja", "th", "lo", "km", "my", "bo"})
 
 # Characters of scripts written without spaces: Han, kana, Thai, Lao, Khmer, Myanmar, Tibetan.
 _UNSPACED_RANGE = (r"\u0e00-\u0eff\u0f00-\u0fff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u3400-\u4dbf"
@@ -65,25 +65,16 @@ EXTRA_TERMINAL = ("।", "॥", "؟", "۔", "؛", "។", "။")
 NO_SENTENCE_MARK = frozenset({"th", "lo"})
 
 
-@dataclass(frozen=True)
-class LanguageRules:
-    """Overrides of FilterSection fields for one language (only what differs from English)."""
-
-    overrides: dict[str, float] = field(default_factory=dict)
-
-
 def _fineweb2(dup_line: float, top: tuple, dup: tuple, line_punct: float, newline: float, alpha_words: float,
-              word_len: tuple | None) -> dict:
+              word_len: tuple[float, float]) -> dict:
     """FineWeb-2's published thresholds for one language (its configs/{lang}_{script}.yml, Penedo et al.
     2025) as FilterSection fields: dup_line_frac, top_n_grams (2, 3, 4), dup_n_grams (5 … 10),
     line_punct_thr, new_line_ratio, max_non_alpha_words_ratio (the share of words with a letter a
     document needs) and min/max_avg_word_length."""
-    fields = {"dup_line_frac": dup_line, "top_ngram_char_frac": dict(zip(("2", "3", "4"), top, strict=True)),
-              "dup_ngram_char_frac": dict(zip(map(str, range(5, 11)), dup, strict=True)),
-              "min_line_punct_ratio": line_punct, "max_newline_ratio": newline, "min_alpha_words_frac": alpha_words}
-    if word_len:
-        fields["min_mean_word_len"], fields["max_mean_word_len"] = word_len
-    return fields
+    return {"dup_line_frac": dup_line, "top_ngram_char_frac": dict(zip(("2", "3", "4"), top, strict=True)),
+            "dup_ngram_char_frac": dict(zip(map(str, range(5, 11)), dup, strict=True)),
+            "min_line_punct_ratio": line_punct, "max_newline_ratio": newline, "min_alpha_words_frac": alpha_words,
+            "min_mean_word_len": word_len[0], "max_mean_word_len": word_len[1]}
 
 
 # FineWeb-2 tuned each rule per language from its own data; where it publishes a threshold for one of
@@ -94,21 +85,21 @@ def _fineweb2(dup_line: float, top: tuple, dup: tuple, line_punct: float, newlin
 # 2.5–4 syllables: bounds 1.5–8, Gopher's margins around English's 3–10 carried over); and the
 # line-punctuation rule in Thai, which FineWeb-2 sets to 0 (Thai ends sentences with a space) and
 # which is skipped here with a counted note.
-RULES: dict[str, LanguageRules] = {
-    "zh": LanguageRules(_fineweb2(0.287, (0.256, 0.201, 0.171), (0.198, 0.182, 0.167, 0.154, 0.14, 0.127),
-                                  0.106, 0.178, 0.735, (1.0, 5.0))),
-    "ja": LanguageRules(_fineweb2(0.375, (0.121, 0.129, 0.145), (0.307, 0.283, 0.264, 0.248, 0.234, 0.223),
-                                  0.167, 0.162, 0.759, (1.0, 5.0))),
-    "th": LanguageRules(_fineweb2(0.349, (0.221, 0.197, 0.162), (0.185, 0.168, 0.152, 0.137, 0.124, 0.111),
-                                  0.0, 0.153, 0.9, (2.0, 10.0))),
-    "hi": LanguageRules(_fineweb2(0.206, (0.208, 0.198, 0.161), (0.135, 0.125, 0.116, 0.108, 0.099, 0.09),
-                                  0.091, 0.316, 0.837, (2.0, 21.0))),
-    "ar": LanguageRules(_fineweb2(0.304, (0.197, 0.172, 0.146), (0.165, 0.153, 0.142, 0.131, 0.12, 0.109),
-                                  0.143, 0.189, 0.787, (2.0, 9.0))),
-    "ru": LanguageRules(_fineweb2(0.322, (0.184, 0.164, 0.146), (0.168, 0.156, 0.145, 0.133, 0.121, 0.109),
-                                  0.231, 0.139, 0.713, (3.0, 11.0))),
-    "ko": LanguageRules({"dup_line_frac": 0.374, "min_line_punct_ratio": 0.062, "min_alpha_words_frac": 0.791,
-                         "min_mean_word_len": 1.5, "max_mean_word_len": 8.0}),
+RULES: dict[str, dict] = {  # language → FilterSection fields that differ from English
+    "zh": _fineweb2(0.287, (0.256, 0.201, 0.171), (0.198, 0.182, 0.167, 0.154, 0.14, 0.127),
+                    0.106, 0.178, 0.735, (1.0, 5.0)),
+    "ja": _fineweb2(0.375, (0.121, 0.129, 0.145), (0.307, 0.283, 0.264, 0.248, 0.234, 0.223),
+                    0.167, 0.162, 0.759, (1.0, 5.0)),
+    "th": _fineweb2(0.349, (0.221, 0.197, 0.162), (0.185, 0.168, 0.152, 0.137, 0.124, 0.111),
+                    0.0, 0.153, 0.9, (2.0, 10.0)),
+    "hi": _fineweb2(0.206, (0.208, 0.198, 0.161), (0.135, 0.125, 0.116, 0.108, 0.099, 0.09),
+                    0.091, 0.316, 0.837, (2.0, 21.0)),
+    "ar": _fineweb2(0.304, (0.197, 0.172, 0.146), (0.165, 0.153, 0.142, 0.131, 0.12, 0.109),
+                    0.143, 0.189, 0.787, (2.0, 9.0)),
+    "ru": _fineweb2(0.322, (0.184, 0.164, 0.146), (0.168, 0.156, 0.145, 0.133, 0.121, 0.109),
+                    0.231, 0.139, 0.713, (3.0, 11.0)),
+    "ko": {"dup_line_frac": 0.374, "min_line_punct_ratio": 0.062, "min_alpha_words_frac": 0.791,
+           "min_mean_word_len": 1.5, "max_mean_word_len": 8.0},
 }
 
 # FineWeb-2's stop words for these languages, added to the lists above where its words are ours
@@ -126,12 +117,8 @@ STOP_WORDS.update({lang: STOP_WORDS[lang] | frozenset(words.split()) for lang, w
 
 def settings(f, lang: str | None):
     """`f` (a FilterSection) with `lang`'s overrides applied; `f` itself when there are none."""
-    rules = RULES.get(lang or "")
-    if rules is None:
-        return f
-    import dataclasses
-
-    return dataclasses.replace(f, **rules.overrides)
+    overrides = RULES.get(lang or "")
+    return dataclasses.replace(f, **overrides) if overrides else f
 
 
 def unspaced_share(text: str) -> float:
@@ -210,8 +197,13 @@ def _thai():
 
 def segment(text: str, lang: str | None) -> list[str]:
     """The text's words, punctuation and numbers included as tokens, whitespace left out."""
-    if lang not in UNSPACED:
-        return text.split()
+    return text.split() if lang not in UNSPACED else list(_segmented(text, lang))
+
+
+@functools.lru_cache(maxsize=8)
+def _segmented(text: str, lang: str) -> tuple[str, ...]:
+    """A segmenter's tokens, kept for the last few texts: the filter's rules ask for one document's
+    words several times in a row (repetition, quality, FineWeb), and segmenting is the costly part."""
     if lang == "zh":
         tokens = _jieba().lcut(text)
     elif lang == "ja":
@@ -219,8 +211,8 @@ def segment(text: str, lang: str | None) -> list[str]:
     elif lang == "th":
         tokens = _thai()(text, engine="newmm", keep_whitespace=False)
     else:  # an unspaced script without a segmenter here: its characters
-        tokens = [ch for ch in text]
-    return [t for t in (tok.strip() for tok in tokens) if t]
+        tokens = list(text)
+    return tuple(t for t in (tok.strip() for tok in tokens) if t)
 
 
 def words(text: str, lang: str | None) -> list[str]:

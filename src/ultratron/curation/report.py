@@ -90,22 +90,18 @@ def write_report(cfg, summaries: list[dict], log: Callable[[str], None] = print)
         if s["stage"] == "tokenize":
             report["tokenizer_audit_warnings"] = s["audit_warnings"]
     report["decision_lines"] = merge_decisions(cfg, out / "decisions.jsonl")
-    table = format_table(summaries)
-    by_language = format_languages(summaries)
-    write_json(out / "report.json", report)
-    atomic.write_text(out / "report.md", "# Data curation report\n\n" + table + "\n" +
-                      (f"\n## By language\n\n{by_language}\n" if by_language else ""))
-    log(table)
-    if by_language:
-        log(by_language)
+    sections = [format_table(summaries)]
+    if by_language := format_languages(summaries):
+        sections.append(f"## By language\n\n{by_language}")
     for s in summaries:
         if s["stage"] == "tokenize" and s.get("tokenizer_languages"):
             from ultratron.curation.stages.tokenize import format_language_table
 
-            tokenizer_table = "Tokenizer by language:\n\n" + format_language_table(s["tokenizer_languages"])
-            log(tokenizer_table)
-            atomic.write_text(out / "report.md", (out / "report.md").read_text(encoding="utf-8")
-                              + "\n## " + tokenizer_table + "\n")
+            sections.append("## Tokenizer by language\n\n" + format_language_table(s["tokenizer_languages"]))
+    write_json(out / "report.json", report)
+    atomic.write_text(out / "report.md", "# Data curation report\n\n" + "\n\n".join(sections) + "\n")
+    for section in sections:
+        log(section)
     for warning in report.get("tokenizer_audit_warnings", []):
         log(f"data: tokenizer audit warning: {warning}")
     log(f"data: report {out / 'report.json'}, decisions {out / 'decisions.jsonl'}")

@@ -179,8 +179,6 @@ def enumerate_layouts(spec: SearchSpec):
                     grad_acc = per_rank // mbs
                     for zero, (recompute, offload), (schedule, v), ep, chunk in itertools.product(
                             (0, 1, 2, 3) if dp * cp > 1 else (0,), RECOMPUTE_OFFLOAD, schedules, eps, (0, LOSS_CHUNK)):
-                        if chunk and (tp > 1 or pp > 1 or cp > 1 or zero > 1):  # (the trainer's limits)
-                            continue
                         # the trainer's own rules: stages per rank, micro-batches, zero 3, recompute
                         if pipeline_problems(shape, pp=pp, schedule=schedule, virtual_stages=v,
                                              micro_batches=grad_acc, dp=dp * cp, zero=zero, recompute=recompute):

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ultratron.models.registry import unwrap
 from ultratron.parallel.axis import MicroBatch
 from ultratron.parallel.parallelize import Parallel
 from ultratron.training.loss import IGNORE, chunked_cross_entropy, cross_entropy
@@ -23,13 +24,6 @@ from ultratron.training.precision import autocast
 def as_micro_batch(batch: tuple) -> MicroBatch:
     """A loader's (inputs, targets) or, under document masking, (inputs, targets, documents)."""
     return MicroBatch(batch[0], batch[1], documents=batch[2] if len(batch) > 2 else None)
-
-
-def unwrapped(model: nn.Module) -> nn.Module:
-    """The model itself inside DDP's or torch.compile's wrapper."""
-    while isinstance(getattr(model, "module", None) or getattr(model, "_orig_mod", None), nn.Module):
-        model = getattr(model, "module", None) or model._orig_mod
-    return model
 
 
 @contextlib.contextmanager
@@ -49,7 +43,7 @@ class TrainStep:
         self.axes, self.device = parallel.axes, device
         self.count_loss_tokens, self.loss_tokens = count_loss_tokens, 0  # the last step's targets that counted
         if loss_chunk > 0:  # the model hands over its hidden states in training; the loss makes the logits
-            model = unwrapped(parallel.model)
+            model = unwrap(parallel.model)
 
             def train_loss_of(hidden, targets):
                 with autocast(precision, device):  # (the head's matmul as inside the forward)

@@ -39,7 +39,7 @@ import numpy as np
 from ultratron.curation import languages
 from ultratron.curation.frame import NOTE, StageContext
 
-STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})  # Gopher's list
+STOP_WORDS = languages.STOP_WORDS["en"]  # Gopher's list
 TERMINAL_PUNCT = (".", "!", "?", '"', "'", "”", "’", "。", "！", "？")
 BULLETS = ("•", "●", "‣", "–", "-", "*", "·")
 ELLIPSES = ("...", "…")
@@ -179,7 +179,7 @@ def gopher_repetition(text: str, f, lang: str | None = None) -> Verdict:
     if line_chars > f.dup_line_char_frac:
         return "dup_line_char_frac", round(line_chars, 3)
     grams = _NGrams(text.lower().split() if lang not in languages.UNSPACED else
-                    languages.words(text.lower(), lang))
+                    [w.lower() for w in languages.words(text, lang)])
     for n, limit in sorted(f.top_ngram_char_frac.items(), key=lambda kv: int(kv[0])):
         value = _top_ngram_char_frac(grams, int(n))
         if value > limit:
@@ -210,17 +210,20 @@ def _tokens_without_alpha_or_alnum(text: str) -> tuple[list[str], list[str]]:
 
 
 def gopher_quality(text: str, f, lang: str | None = None) -> Verdict:
-    if lang in languages.UNSPACED:
-        return _gopher_quality_segmented(text, f, lang)
-    words = text.split()
-    # punctuation-only tokens are not words; counts and characters of the rest by subtraction
-    no_alpha, not_real = _tokens_without_alpha_or_alnum(text)
-    n_real = len(words) - len(not_real)
+    if lang in languages.UNSPACED:  # a segmenter's tokens; those without a letter or digit are no words
+        words = [t for t in languages.segment(text, lang) if any(ch.isalnum() for ch in t)]
+        n_real, chars, with_letter = len(words), sum(map(len, words)), sum(any(c.isalpha() for c in w) for w in words)
+    else:
+        words = text.split()
+        # punctuation-only tokens are not words; counts and characters of the rest by subtraction
+        no_alpha, not_real = _tokens_without_alpha_or_alnum(text)
+        n_real, chars, with_letter = len(words) - len(not_real), len("".join(words)) - len("".join(not_real)), \
+            len(words) - len(no_alpha)
     if n_real < f.min_words:
         return "min_words", n_real
     if n_real > f.max_words:
         return "max_words", n_real
-    mean_len = (len("".join(words)) - len("".join(not_real))) / n_real
+    mean_len = chars / n_real
     if mean_len < f.min_mean_word_len:
         return "min_mean_word_len", round(mean_len, 2)
     if mean_len > f.max_mean_word_len:
@@ -236,14 +239,14 @@ def gopher_quality(text: str, f, lang: str | None = None) -> Verdict:
         ellipsis = sum(ln.endswith(ELLIPSES) for ln in lines) / len(lines)
         if ellipsis > f.max_ellipsis_lines_frac:
             return "max_ellipsis_lines_frac", round(ellipsis, 3)
-    alpha = (len(words) - len(no_alpha)) / len(words)
+    alpha = with_letter / len(words)
     if alpha < f.min_alpha_words_frac:
         return "min_alpha_words_frac", round(alpha, 3)
     return _stop_words(words, f, lang)
 
 
 def _stop_words(words: list[str], f, lang: str | None) -> Verdict:
-    stop_words = STOP_WORDS if _english(lang) else languages.STOP_WORDS.get(lang)
+    stop_words = languages.STOP_WORDS.get(lang or "en")
     if stop_words is None:
         return f"{NOTE}skipped_min_stop_words_{lang}", None
     stops = 0
@@ -258,86 +261,37 @@ def _stop_words(words: list[str], f, lang: str | None) -> Verdict:
     return None, None
 
 
-def _gopher_quality_segmented(text: str, f, lang: str) -> Verdict:
-    """Gopher's quality rules on a segmenter's words (languages written without spaces)."""
-    tokens = languages.segment(text, lang)
-    words = [t for t in tokens if any(ch.isalnum() for ch in t)]
-    if len(words) < f.min_words:
-        return "min_words", len(words)
-    if len(words) > f.max_words:
-        return "max_words", len(words)
-    mean_len = sum(map(len, words)) / len(words)
-    if mean_len < f.min_mean_word_len:
-        return "min_mean_word_len", round(mean_len, 2)
-    if mean_len > f.max_mean_word_len:
-        return "max_mean_word_len", round(mean_len, 2)
-    symbols = text.count("#") + text.count("...") + text.count("…")
-    if symbols / len(words) > f.max_symbol_word_ratio:
-        return "max_symbol_word_ratio", round(symbols / len(words), 3)
-    lines = [ln.strip() for ln in text.split("\n") if ln.strip()]
-    if lines:
-        bullets = sum(ln.startswith(BULLETS) for ln in lines) / len(lines)
-        if bullets > f.max_bullet_lines_frac:
-            return "max_bullet_lines_frac", round(bullets, 3)
-        ellipsis = sum(ln.endswith(ELLIPSES) for ln in lines) / len(lines)
-        if ellipsis > f.max_ellipsis_lines_frac:
-            return "max_ellipsis_lines_frac", round(ellipsis, 3)
-    alpha = sum(any(ch.isalpha() for ch in w) for w in words) / len(words)
-    if alpha < f.min_alpha_words_frac:
-        return "min_alpha_words_frac", round(alpha, 3)
-    return _stop_words(words, f, lang)
-
-
 # ---- C4 -------------------------------------------------------------------------------------------
 
 def c4_clean(text: str, f, lang: str | None = None) -> tuple[str | None, str | None, object]:
-    """(cleaned text or None, failed rule, value). Removes lines; drops the document if needed."""
-    if not _english(lang):
-        return _c4_clean_language(text, f, lang)
-    lower = text.lower()
-    if "lorem ipsum" in lower:
-        return None, "lorem_ipsum", None
-    if "{" in text:
-        return None, "curly_bracket", None
-    kept = []
-    for line in text.split("\n"):
-        stripped = line.strip()
-        low = stripped.lower()
-        if stripped and (not stripped.endswith(TERMINAL_PUNCT) or len(stripped.split()) < f.c4_min_words_per_line
-                or "javascript" in low or any(p in low for p in C4_POLICY)):
-            continue  # blank lines stay: they separate paragraphs
-        kept.append(line)
-    cleaned = "\n".join(kept)
-    sentences = len(_SENTENCE_END.findall(cleaned))
-    if sentences < f.c4_min_sentences:
-        return None, "min_sentences", sentences
-    return cleaned, None, len(text.split("\n")) - len(kept)  # lines removed
-
-
-def _c4_clean_language(text: str, f, lang: str) -> tuple[str | None, str | None, object]:
-    """C4's rules in another language: its words and sentence marks; in a language that ends
-    sentences without a mark (Thai), lines are not judged by their last character and sentences
-    are the space-separated runs."""
+    """(cleaned text or None, failed rule, value). Removes lines; drops the document if needed.
+    In another language than English: its words and sentence marks; in one that ends sentences
+    without a mark (Thai), lines are not judged by their last character and sentences are the
+    space-separated runs."""
     lower = text.lower()
     if "lorem ipsum" in lower:
         return None, "lorem_ipsum", None
     if "{" in text:
         return None, "curly_bracket", None
     marks = lang not in languages.NO_SENTENCE_MARK
+    terminal = TERMINAL_PUNCT if _english(lang) else TERMINAL_ANY
     kept = []
     for line in text.split("\n"):
         stripped = line.strip()
         low = stripped.lower()
-        if stripped and ((marks and not stripped.endswith(TERMINAL_ANY))
+        if stripped and ((marks and not stripped.endswith(terminal))
                          or len(languages.words(stripped, lang)) < f.c4_min_words_per_line
                          or "javascript" in low or any(p in low for p in C4_POLICY)):
-            continue
+            continue  # blank lines stay: they separate paragraphs
         kept.append(line)
     cleaned = "\n".join(kept)
-    sentences = len(_SENTENCE_END_ANY.findall(cleaned)) if marks else len(cleaned.split())
+    if not marks:
+        sentences = len(cleaned.split())
+    else:
+        sentences = len((_SENTENCE_END if _english(lang) else _SENTENCE_END_ANY).findall(cleaned))
     if sentences < f.c4_min_sentences:
         return None, "min_sentences", sentences
-    return cleaned, None, len(text.split("\n")) - len(kept)
+    return cleaned, None, len(text.split("\n")) - len(kept)  # lines removed
 
 
 # ---- FineWeb ------------------------------------------------------------------------------------
@@ -359,7 +313,7 @@ def fineweb(text: str, f, lang: str | None = None) -> Verdict:
     _, dup_chars = _dup_stats(lines)
     if dup_chars > f.max_dup_char_line_frac:
         return "max_dup_char_line_frac", round(dup_chars, 3)
-    words = len(text.split() if lang not in languages.UNSPACED else languages.words(text, lang))
+    words = len(languages.words(text, lang))
     ratio = text.count("\n") / max(words, 1)
     if ratio > f.max_newline_ratio:
         return "max_newline_ratio", round(ratio, 3)
@@ -400,7 +354,11 @@ def apply_filters(text: str, f, lang: str | None = None) -> tuple[str | None, st
     """(text to keep or None, reason like 'gopher_quality:min_words' or 'c4:lines_removed', value).
     `lang`: the document's language (None: English rules). A kept document's skipped rules come
     back as the reason when nothing modified it: `frame.NOTE` + 'GROUP:skipped_...'."""
-    f = languages.settings(f, lang)
+    return _apply(text, languages.settings(f, lang), lang)
+
+
+def _apply(text: str, f, lang: str | None) -> tuple[str | None, str | None, object]:
+    """`apply_filters` with `f` already the language's settings."""
     modified: tuple[str, object] | None = None
     notes = []
     for group in f.enabled:
@@ -425,9 +383,13 @@ def apply_filters(text: str, f, lang: str | None = None) -> tuple[str | None, st
 
 def make_doc_fn(cfg, side):
     f = cfg.filter
+    by_language: dict[str | None, object] = {}  # each language's settings (languages.settings), made once
 
     def fn(record: dict, index: int):
-        text, reason, value = apply_filters(record["text"], f, record.get("language"))
+        lang = record.get("language")
+        if lang not in by_language:
+            by_language[lang] = languages.settings(f, lang)
+        text, reason, value = _apply(record["text"], by_language[lang], lang)
         if text is None:
             return None, reason, None, value
         if reason:

@@ -11,8 +11,9 @@ Languages (records with a `language`, from the `language` stage): the training t
 balanced (`tokenize.language_alpha` < 1 or `tokenize.language_weights`): each language gets a share
 of `train_bytes` ∝ its share of the corpus^alpha (or its weight), its documents repeated when it has
 less text than that — so a small language earns merges of its own. The summary's
-`tokenizer_languages` table gives, per language, bytes per token and tokens per word on the held-out documents (all of
-them when a language has none held out) and whether decoding gave every document back.
+`tokenizer_languages` table gives, per language, bytes per token and tokens per word on the
+held-out documents (all of them when a language has none held out) and whether decoding gave
+every document back.
 """
 
 from __future__ import annotations
@@ -179,9 +180,9 @@ def run(ctx: StageContext) -> dict:
         if t.tokenizer:
             tokenizer = Tokenizer.load(t.tokenizer)
         else:
-            if next(_texts(parts, 1, fraction), None) is None and next(_texts(parts, 1), None) is None:
-                raise DataError(f"{ctx.input}: no documents left to train a tokenizer on")
             if next(_texts(parts, 1, fraction), None) is None:
+                if next(_texts(parts, 1), None) is None:
+                    raise DataError(f"{ctx.input}: no documents left to train a tokenizer on")
                 fraction = 0.0  # everything is held out (a tiny corpus): train on it all
             if t.language_alpha < 1 or t.language_weights:
                 texts, plan = _balanced_texts(parts, t, fraction)
