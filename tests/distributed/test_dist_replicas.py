@@ -6,7 +6,9 @@ data position by exactly what its participants read (so no sequence was lost or 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,10 +30,35 @@ STEPS, KILL_AT, TIMEOUT, PER_GROUP = 300, 15, 10, 8  # PER_GROUP: sequences a gr
 ENV_TAG = f"replicas-{os.getpid()}"  # marks this test's processes in /proc
 
 
-def _worker(group: int, rank: int) -> list[int]:
-    """PIDs of the first attempt's training process of `rank` in replica group `group`."""
-    return processes_with(ULTRATRON_REPLICA_GROUP=str(group), RANK=str(rank), TORCHELASTIC_RESTART_COUNT="0",
-                          ULTRATRON_TEST_RUN=ENV_TAG)
+def _worker(group: int, rank: int | None = None, attempt: int = 0) -> list[int]:
+    """PIDs of attempt `attempt`'s training processes in replica group `group` (of one `rank`, if given)."""
+    ranks = {} if rank is None else {"RANK": str(rank)}
+    return processes_with(ULTRATRON_REPLICA_GROUP=str(group), TORCHELASTIC_RESTART_COUNT=str(attempt),
+                          ULTRATRON_TEST_RUN=ENV_TAG, **ranks)
+
+
+def _hold_restart_until_alone(run: Path, job: subprocess.Popen) -> None:
+    """Stop group 1's restarted ranks as they start and let them go once group 0 has committed a step
+    alone. On a quiet machine the restart heals within ~2 s, sooner than the collective timeout in
+    which group 0 notices the loss, so without this group 0 may never step alone and the test could
+    not show that it goes on without waiting."""
+    held: set[int] = set()
+    deadline = time.monotonic() + 120
+    try:
+        while len(held) < 2 and time.monotonic() < deadline and job.poll() is None:
+            for pid in set(_worker(1, attempt=1)) - held:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+                    held.add(pid)
+            time.sleep(0.01)
+        assert len(held) == 2, f"group 1 restarted {len(held)} of 2 ranks in 120 s"
+        while not any(r["replicas"] == 1 and r["step"] >= KILL_AT for r in _steps(run / "replica-0")):
+            assert job.poll() is None and time.monotonic() < deadline, "group 0 did not step alone in 120 s"
+            time.sleep(0.05)
+    finally:
+        for pid in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def _steps(run: Path) -> list[dict]:
@@ -57,6 +84,7 @@ def test_kill_9_of_a_replica_group_the_other_goes_on_and_it_heals_and_rejoins(di
             assert len(victims) == 1, victims
             os.kill(victims[0], 9)
             killed_at = time.time()
+            _hold_restart_until_alone(run, job)
             job.wait(timeout=400)
         finally:
             job.kill()
