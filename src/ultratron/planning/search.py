@@ -325,13 +325,15 @@ def search(spec: SearchSpec, top: int = 5) -> SearchResult:
         problems.append(f"no {spec.precision} peak for {spec.accelerator.name}")
     if problems:
         raise UserError(problems)
-    fitting, considered, too_big, closest = _evaluate(spec)
+    fitting, considered, too_big, closest, closest_with = _evaluate(spec)
     inside = considered  # layouts with every tensor-parallel group inside a node
     across = False
     if not fitting and spec.n_gpus > spec.gpus_per_node and "tp" not in spec.fixed:
         # nothing fits with tensor parallelism inside a node: try groups that span nodes (slow: the network)
         wide = replace(spec, max_tp=spec.n_gpus)
-        fitting, more, more_big, wide_closest = _evaluate(wide, lambda lay: lay.tp > spec.gpus_per_node)
+        fitting, more, more_big, wide_closest, wide_with = _evaluate(wide, lambda lay: lay.tp > spec.gpus_per_node)
+        closest_with = {**wide_with, **{k: v for k, v in closest_with.items() if k not in wide_with
+                                        or v[0] < wide_with[k][0]}}
         considered, too_big, across = considered + more, too_big + more_big, bool(fitting)
         if wide_closest and (closest is None or wide_closest[0] < closest[0]):
             closest = wide_closest
@@ -353,6 +355,8 @@ def search(spec: SearchSpec, top: int = 5) -> SearchResult:
         other = next((e for e in fitting[1:] if degrees(e.layout) != degrees(fitting[0].layout)), None)
         if other is not None:
             summary.append(why_first(fitting[0], other))
+    if fitting:
+        summary += options_summary(spec, fitting, closest_with)
     return SearchResult(spec, fitting[:top] if top else fitting, considered, too_big, closest_est, summary)
 
 
@@ -361,16 +365,23 @@ def step_terms(est: Estimate) -> dict[str, float]:
     return {"compute": est.compute_s, "elementwise": est.elementwise_s, "tensor-parallel collectives": est.tp_comm_s,
             "context-parallel ring": est.cp_exposed_s, "expert all-to-all": est.ep_comm_s,
             "pipeline transfers": est.pp_comm_s, "pipeline bubble": est.bubble_s,
-            "data-parallel sync": est.dp_exposed_s, "optimizer step": est.optimizer_s}
+            "data-parallel sync": est.dp_exposed_s, "optimizer step": est.optimizer_s,
+            "host offload": est.offload_exposed_s}
+
+
+def step_difference(best: Estimate, other: Estimate) -> tuple[float, str]:
+    """(how much longer `other`'s step is, a fraction; the three parts of the step that differ most,
+    as "name −/+ms" from `best`'s side: − where `best` spends less)."""
+    gains = {name: other_s - best_s for (name, best_s), other_s in
+             zip(step_terms(best).items(), step_terms(other).values(), strict=True)}
+    top = sorted((kv for kv in gains.items() if abs(kv[1]) > 1e-3 * best.step_s), key=lambda kv: -abs(kv[1]))[:3]
+    parts = ", ".join(f"{name} {'−' if gain > 0 else '+'}{abs(gain) * 1e3:.0f} ms" for name, gain in top)
+    return other.step_s / best.step_s - 1, parts
 
 
 def why_first(best: Estimate, other: Estimate) -> str:
     """One line: how much faster the winner is than the next layout and which parts of the step make it."""
-    gains = {name: other_s - best_s for (name, best_s), other_s in
-             zip(step_terms(best).items(), step_terms(other).values(), strict=True)}
-    top = sorted((kv for kv in gains.items() if abs(kv[1]) > 1e-3 * best.step_s), key=lambda kv: -abs(kv[1]))[:3]
-    faster = other.step_s / best.step_s - 1
-    parts = ", ".join(f"{name} {'−' if gain > 0 else '+'}{abs(gain) * 1e3:.0f} ms" for name, gain in top)
+    faster, parts = step_difference(best, other)
     if faster < 0.005:
         return (f"why #1: as fast as the next other split ({other.layout.describe()}) within the model's "
                 "resolution (0.5 %); it has fewer moving parts" + (f" ({parts})" if parts else ""))
@@ -379,10 +390,12 @@ def why_first(best: Estimate, other: Estimate) -> str:
 
 
 def _evaluate(spec: SearchSpec, keep=None):
-    """(fitting estimates, layouts considered, too big, the smallest peak among those too big)."""
+    """(fitting estimates, layouts considered, too big, the smallest peak among those too big, and among
+    those too big that use each of `OPTIONS`)."""
     fitting: list[Estimate] = []
     considered = too_big = 0
     closest: tuple[float, Layout, MemoryBreakdown] | None = None
+    closest_with: dict[str, tuple[float, Layout, MemoryBreakdown]] = {}
     for layout in constrained_layouts(spec):
         if keep is not None and not keep(layout):
             continue
@@ -392,9 +405,48 @@ def _evaluate(spec: SearchSpec, keep=None):
             too_big += 1
             if closest is None or memory.peak_bytes < closest[0]:
                 closest = (memory.peak_bytes, layout, memory)
+            for option in OPTIONS:
+                # the nearest to fitting: the least over the device's and the host's limits, in bytes
+                over = max(memory.peak_bytes - spec.usable_bytes, 0.0) + \
+                    max(memory.host_activations - spec.accelerator.host_memory_bytes, 0.0)
+                if getattr(layout, option) and (option not in closest_with or over < closest_with[option][0]):
+                    closest_with[option] = (over, layout, memory)
             continue
         fitting.append(estimate_step(spec, layout, memory))
-    return fitting, considered, too_big, closest
+    return fitting, considered, too_big, closest, closest_with
+
+
+# the memory-saving options `plan search` reports on one by one: where the fastest layout using each
+# ranks, or why none that uses it fits
+OPTIONS = ("offload_activations", "loss_chunk")
+
+
+def options_summary(spec: SearchSpec, fitting: list[Estimate], closest_with: dict) -> list[str]:
+    """A line for each of `OPTIONS`: #1 uses it, or how much slower the fastest fitting layout that
+    uses it is and which parts of its step make the difference, or why no layout using it fits."""
+    lines = []
+    for option in OPTIONS:
+        rank, est = next(((i, e) for i, e in enumerate(fitting, 1) if getattr(e.layout, option)), (0, None))
+        if est is not None and rank == 1:
+            lines.append(f"{option}: #1 uses it (its reasons say what it buys)")
+        elif est is not None:
+            slower, parts = step_difference(fitting[0], est)
+            lines.append(f"{option}: the fastest layout with it ranks #{rank} ({est.layout.describe()}), "
+                         f"{slower:.1%} slower than #1" + (f" (#1: {parts})" if parts else ""))
+        elif option in closest_with:
+            _, layout, mem = closest_with[option]
+            host = spec.accelerator.host_memory_bytes
+            over = [f"{mem.peak_bytes / GiB:.1f} GiB on the GPU (of {spec.usable_bytes / GiB:.1f} usable)"] \
+                if mem.peak_bytes > spec.usable_bytes else []
+            if mem.host_activations > host:
+                over.append(f"{mem.host_activations / GiB:.1f} GiB of host memory per GPU (of "
+                            f"{host / GiB:.0f})")
+            largest = max(mem.TERMS, key=lambda term: getattr(mem, term))
+            lines.append(f"{option}: no layout with it fits; the nearest ({layout.describe()}) needs "
+                         + " and ".join(over) + f", {getattr(mem, largest) / GiB:.1f} GiB of it {largest}")
+        else:
+            lines.append(f"{option}: no layout with it is left under the trainer's rules and the fixed fields")
+    return lines
 
 
 def _summary(spec: SearchSpec, fitting: list[Estimate], considered: int, too_big: int,
