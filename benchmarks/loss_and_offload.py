@@ -26,23 +26,28 @@ from ultratron.config import load_config  # noqa: E402
 from ultratron.models.registry import build_model, plan_of  # noqa: E402
 from ultratron.parallel.memory import AllocatedBytes  # noqa: E402
 from ultratron.parallel.offload import apply_offload  # noqa: E402
-from ultratron.training.loss import chunked_cross_entropy, cross_entropy  # noqa: E402
+from ultratron.training.loss import chunked_cross_entropy, cross_entropy, linear_cross_entropy  # noqa: E402
 
 MIB = 2**20
 
 
-def one_step(model, tokens, chunk: int) -> None:
+def one_step(model, tokens, chunk: int, linear: bool = True) -> None:
+    """One forward and backward: whole logits (chunk 0), or chunked — the plain head's loss the trainer
+    runs for a Llama (`linear`), or the checkpointed chunks it runs for any other head."""
     if chunk:
         model.hidden_out = True
         hidden = model(tokens[:, :-1])
         model.hidden_out = False
-        loss = chunked_cross_entropy(hidden, model.head, tokens[:, 1:], 0.0, chunk)[0]
+        if linear:
+            loss = linear_cross_entropy(hidden, model.output.weight, tokens[:, 1:], 0.0, chunk)[0]
+        else:
+            loss = chunked_cross_entropy(hidden, model.head, tokens[:, 1:], 0.0, chunk)[0]
     else:
         loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])[0]
     loss.backward()
 
 
-def measure(args, chunk: int, offload: bool) -> dict:
+def measure(args, chunk: int, offload: bool, linear: bool = True) -> dict:
     cfg = load_config(None, ["--model.preset", "tiny", "--model.n_layers", str(args.layers), "--model.vocab_size",
                              str(args.vocab), "--model.max_seq_len", str(args.seq), "--training.seq_len",
                              str(args.seq), "--training.micro_batch_size", "1", "--training.batch_tokens",
@@ -53,13 +58,13 @@ def measure(args, chunk: int, offload: bool) -> dict:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     tokens = torch.randint(0, args.vocab, (1, args.seq + 1), generator=torch.Generator().manual_seed(1))
-    one_step(model, tokens, chunk)  # warm-up
+    one_step(model, tokens, chunk, linear)  # warm-up
     with AllocatedBytes() as meter:
-        one_step(model, tokens, chunk)
+        one_step(model, tokens, chunk, linear)
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        one_step(model, tokens, chunk)
+        one_step(model, tokens, chunk, linear)
         times.append(time.perf_counter() - start)
     steps = args.repeats + 2  # the warm-up, the measured one, the timed ones
     return {"peak": meter.peak, "time": statistics.median(times), "moved": host.moved / steps if host else 0}
@@ -76,11 +81,13 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"tiny, {args.layers} layer(s), vocabulary {args.vocab:,}, seq {args.seq:,}, micro-batch 1, fp32, "
           f"1 thread; planned fp32 logits {4 * args.seq * args.vocab / MIB:.0f} MiB")
-    print("| loss_chunk | offload | peak MiB | step s | moved MiB a step |")
-    print("|---|---|---|---|---|")
-    for chunk, offload in ((0, False), (args.chunk, False), (0, True), (args.chunk, True)):
-        r = measure(args, chunk, offload)
-        print(f"| {chunk} | {str(offload).lower()} | {r['peak'] / MIB:.0f} | {r['time']:.2f} | "
+    print("| loss_chunk | chunked loss | offload | peak MiB | step s | moved MiB a step |")
+    print("|---|---|---|---|---|---|")
+    for chunk, linear, offload in ((0, True, False), (args.chunk, True, False), (args.chunk, False, False),
+                                   (0, True, True), (args.chunk, True, True)):
+        r = measure(args, chunk, offload, linear)
+        kind = "—" if not chunk else "linear" if linear else "checkpointed"
+        print(f"| {chunk} | {kind} | {str(offload).lower()} | {r['peak'] / MIB:.0f} | {r['time']:.2f} | "
               f"{r['moved'] / MIB:.0f} |")
 
 

@@ -28,9 +28,12 @@ FOUR = {
 TWO = {
     "tp2-sp-full": ["--parallel.tp", "2", "--parallel.sp", "true", "--training.recompute", "full"],
     "dp2-zero2-selective": ["--parallel.dp", "2", "--parallel.zero", "2", "--training.recompute", "selective"],
-    # the output head and loss a chunk of tokens at a time (training.loss_chunk) under DDP and ZeRO-1,
-    # and the blocks' saved tensors through host memory (training.offload_activations)
+    # the output head and loss a chunk of tokens at a time (training.loss_chunk) under DDP, ZeRO-1,
+    # ZeRO-3 (the head's gathered weight) and cp, and the blocks' saved tensors through host memory
+    # (training.offload_activations)
     "dp2-loss-chunk": ["--parallel.dp", "2", "--training.loss_chunk", "50"],
+    "dp2-zero3-loss-chunk": ["--parallel.dp", "2", "--parallel.zero", "3", "--training.loss_chunk", "50"],
+    "cp2-loss-chunk": ["--parallel.cp", "2", "--training.loss_chunk", "50"],
     "dp2-zero1-loss-chunk-offload": ["--parallel.dp", "2", "--parallel.zero", "1", "--training.loss_chunk", "50",
                                      "--training.offload_activations", "true"],
 }

@@ -273,6 +273,7 @@ def run_memory(args) -> int:
         rows.append(["step_temporaries"] + [gib(m.step_temporaries) for _, m in results])
         rows.append(["peak"] + [gib(m.peak_bytes) for _, m in results])
         rows.append(["peak at"] + [m.peak_moment for _, m in results])
+        rows.append(["of the peak, the loss's"] + [gib(m.loss_share_bytes) for _, m in results])
         rows.append(["stage"] + [m.stage if lay.pp == 1 else f"{m.stage} (rank {m.extra['pp_rank']})"
                                  for lay, m in results])
         if any(lay.offload_activations for lay, _ in results):  # host memory, not in the GPU's peak

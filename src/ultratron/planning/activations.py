@@ -224,7 +224,7 @@ def last_stage_items(shape, layout, model: str = "per-op") -> tuple[dict[str, fl
     if model == "per-op":
         head = {"final norm": _norm(tokens / g, h, tokens / g, dt),
                 "head input": (dt.compute if dt.casts else dt.residual) * tokens * h / g}
-        if dt.casts:
+        if dt.casts and not layout.loss_chunk:  # (the chunked loss casts the weight in its backward)
             head["bf16 weight copies"] = 2 * v * h / t
     else:
         head = {"final norm": 2 * dt.compute * tokens * h / g}  # its input and output
@@ -238,15 +238,21 @@ def last_stage_items(shape, layout, model: str = "per-op") -> tuple[dict[str, fl
 
 def loss_backward_bytes(shape, layout) -> float:
     """The cross-entropy's backward: the fp32 gradients of the log-probabilities and of the logits
-    (and one more under loss_parallel). Chunked (`loss_chunk`): one chunk's at a time, on top of its
-    recomputed forward (the logits in the compute dtype, their fp32 copy and log-probabilities), and
-    the head's fp32 weight gradient that autograd sums over the chunks besides the gradient itself."""
-    tokens, v, t = _tokens(layout), shape.vocab_size, layout.tp
+    (and one more under loss_parallel). Chunked (`loss_chunk`, `training.loss.linear_cross_entropy`):
+    a slice of the vocabulary over every token at a time, `loss_chunk` tokens' worth of logits — in
+    fp32, and the compute dtype's copy they come from or go to under bf16 —, the hidden states' fp32
+    gradient that adds up over the slices, and the head's weight gradient, made at the loss's backward
+    instead of after it, in the weight's dtype (under autocast also the weight and hidden states cast
+    to bf16 for the matmuls)."""
+    tokens, v, t, h = _tokens(layout), shape.vocab_size, layout.tp, shape.dim
     passes = (3 if t > 1 else 2) * 4
     if not layout.loss_chunk:
         return passes * tokens * v / t
+    dt = dtypes_of(layout)
     chunk = min(layout.loss_chunk, tokens)
-    return (passes + 2 * 4 + dtypes_of(layout).compute) * chunk * v / t + 4 * v * shape.dim / t
+    per_logit = 4 + (dt.compute if dt.compute < 4 else 0)
+    casts = dt.compute * (v * h + tokens * h) if dt.casts else 0.0
+    return per_logit * chunk * v / t + 4 * tokens * h + dt.residual * v * h / t + casts
 
 
 def block_backward_bytes(shape, layout, model: str = "per-op") -> float:

@@ -152,6 +152,14 @@ class MemoryBreakdown:
     def peak_bytes(self) -> float:
         return max(self.backward_bytes, self.step_bytes)
 
+    @property
+    def loss_share_bytes(self) -> float:
+        """The loss's share of the peak: what the peak would lose if the loss cost nothing — its kept
+        log-probabilities, and what its backward holds beyond the blocks' backward (0 where the loss's
+        backward is not the largest transient, or the optimizer step is the peak)."""
+        without = replace(self, loss_logits=0.0, transient=self.extra.get("transient_without_loss", self.transient))
+        return self.peak_bytes - without.peak_bytes
+
     def as_dict(self) -> dict:
         out = asdict(self)
         out["static_bytes"] = self.static_bytes
@@ -159,6 +167,7 @@ class MemoryBreakdown:
         out["step_bytes"] = self.step_bytes
         out["peak_moment"] = self.peak_moment
         out["peak_bytes"] = self.peak_bytes
+        out["loss_share_bytes"] = self.loss_share_bytes
         return out
 
 
@@ -348,7 +357,7 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
     # Backward's transients on top of forward's leftovers: the loss's gradients on the last stage,
     # then a block's backward with ZeRO-3's gathered blocks (the last stage has freed its head and
     # log-probabilities by then).
-    transient = block_backward_bytes(shape, layout, model) + block_comm - max(freed)
+    transient = without_loss = max(block_backward_bytes(shape, layout, model) + block_comm - max(freed), 0.0)
     if where.last:
         transient = max(transient, loss_backward_bytes(shape, layout))
     if layout.pp > 1:  # torch's stages keep a receive buffer per micro-batch and neighbour on another rank
@@ -395,7 +404,8 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
                "per_layer_activation_items": per_op_layer_items(shape, layout) if per_op else {},
                "in_flight_micro_batches": in_flight, "activation_model": model,
                "data_parallel": layout.wrapper, "matmul_params_per_layer": layer_matmul_params(shape, t),
-               "expert_params_on_gpu": experts, "all_to_all_bytes": all_to_all, "lora_params_on_gpu": adapters},
+               "expert_params_on_gpu": experts, "all_to_all_bytes": all_to_all, "lora_params_on_gpu": adapters,
+               "transient_without_loss": without_loss},
     )
 
 

@@ -62,18 +62,16 @@ def trainer_limits(layout, name: Namer = config_name) -> list[str]:
     """What the trainer cannot run yet, though the planner prices it (another framework runs it):
     compile under tensor parallel — the compiled blocks run forward, but backward fails (torch 2.13,
     CPU; docs/parallel.md). The config refuses it before minutes of compiling; `plan search` never
-    proposes it; `plan estimate` prices it and says so. The chunked loss (`loss_chunk`) under tp, pp,
-    cp or FSDP: the trainer's chunks call the head outside the model's forward, which none of those wraps yet."""
+    proposes it; `plan estimate` prices it and says so. The chunked loss (`loss_chunk`) under tp or pp:
+    the vocabulary-sharded head and the last stage's loss function do not hand it the hidden states yet."""
     limits = []
     if layout.compile and layout.tp > 1:
         limits.append(f"{name('training.compile')} does not yet work with {name('parallel.tp')}={layout.tp}: the "
                       "compiled blocks' backward fails in DTensor's redistribute (a plain gradient where a DTensor "
                       f"is due); use {name('training.compile')}=false or {name('parallel.tp')}=1")
-    wrapper = data_parallel_wrapper(layout.dp * layout.cp, layout.zero, layout.tp, layout.pp, layout.dp_replicate,
-                                    layout.ep)
-    if layout.loss_chunk and (layout.tp > 1 or layout.pp > 1 or layout.cp > 1 or wrapper not in ("none", "ddp")):
-        limits.append(f"{name('training.loss_chunk')}={layout.loss_chunk} runs on one process or under DDP/ZeRO-1 "
-                      f"for now, not with tp={layout.tp}, pp={layout.pp}, cp={layout.cp}, zero={layout.zero}; "
+    if layout.loss_chunk and (layout.tp > 1 or layout.pp > 1):
+        limits.append(f"{name('training.loss_chunk')}={layout.loss_chunk} runs with data parallelism (DDP, ZeRO "
+                      f"1-3, HSDP) and cp for now, not with tp={layout.tp}, pp={layout.pp}; "
                       f"use {name('training.loss_chunk')}=0")
     if layout.offload_activations and layout.compile:
         limits.append(f"{name('training.offload_activations')} does not yet work with {name('training.compile')}: "

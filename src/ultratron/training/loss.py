@@ -1,5 +1,6 @@
 """Next-token cross-entropy in fp32, with the optional PaLM z-loss: on whole logits, or chunk by chunk
-from the final hidden states and the output head (`chunked_cross_entropy`)."""
+from the final hidden states and the output head (`training.loss_chunk`): `linear_cross_entropy`
+for a plain linear head, `chunked_cross_entropy` for any other."""
 
 from __future__ import annotations
 
@@ -69,3 +70,70 @@ def _chunk_sums(hidden: torch.Tensor, targets: torch.Tensor, head, with_z: bool)
     if not with_z:
         return ce, torch.zeros((), device=ce.device)
     return ce, (torch.logsumexp(logits, dim=-1).pow(2) * (targets != IGNORE)).sum()
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, chunk: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cross_entropy(hidden @ weight.T, targets, z_loss)` for a plain linear head, with at most
+    `chunk` tokens' worth of logits (chunk × vocabulary) alive at any moment and the head's weight
+    gradient made once, in place.
+
+    Forward runs `chunk` tokens at a time over the whole vocabulary and keeps each token's log Z.
+    Backward recomputes the logits a slice of the vocabulary at a time over all the tokens (the same
+    number of elements), so each slice of the weight's gradient comes out of one matmul over every
+    token — as the whole-logits path computes it, rounded once — and is written where it belongs;
+    only the hidden states' gradient adds up over the slices (in fp32). Under autocast the matmuls run
+    in its dtype as they would inside the model."""
+    flat, targets = hidden.flatten(0, -2), targets.flatten()
+    device = flat.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    with torch.autocast(device, enabled=False):
+        ce, z = _LinearCrossEntropy.apply(flat, weight, targets, z_loss, chunk if chunk > 0 else flat.shape[0], dtype)
+    return (ce + z_loss * z, ce) if z_loss > 0 else (ce, ce)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, z_loss, chunk, dtype):
+        counted = targets != IGNORE
+        n = counted.sum().clamp(min=1).float()
+        h, w = (hidden, weight) if dtype is None else (hidden.to(dtype), weight.to(dtype))
+        log_z = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        ce = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits = F.linear(h[rows], w).float()
+            log_z[rows] = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, targets[rows].clamp(min=0).unsqueeze(1)).squeeze(1)
+            ce += ((log_z[rows] - picked) * counted[rows]).sum()
+            del logits
+        z = (log_z.pow(2) * counted).sum() if z_loss > 0 else torch.zeros_like(ce)
+        ctx.save_for_backward(hidden, weight, targets, log_z, n)
+        ctx.chunk, ctx.dtype, ctx.z_loss = chunk, dtype, z_loss
+        return ce / n, z / n
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_z):
+        hidden, weight, targets, log_z, n = ctx.saved_tensors
+        dtype = ctx.dtype
+        h, w = (hidden, weight) if dtype is None else (hidden.to(dtype), weight.to(dtype))
+        tokens, vocab = hidden.shape[0], weight.shape[0]
+        counted = (targets != IGNORE).float()
+        # d(ce)/d(logit_k) = (p_k − [k = target]) / n and d(z)/d(logit_k) = 2·log Z·p_k / n, per counted token
+        scale = counted * (grad_ce + (2 * grad_z * log_z if ctx.z_loss > 0 else 0)) / n
+        hit = counted * grad_ce / n
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.empty_like(weight)
+        width = max(1, ctx.chunk * vocab // tokens)  # a slice of the vocabulary: chunk tokens' worth of logits
+        for start in range(0, vocab, width):
+            cols = slice(start, start + width)
+            grad = F.linear(h, w[cols]).float().sub_(log_z.unsqueeze(1)).exp_().mul_(scale.unsqueeze(1))
+            inside = (targets >= start) & (targets < start + grad.shape[1])  # (a row elsewhere adds 0)
+            grad.scatter_add_(1, (targets - start).clamp(0, grad.shape[1] - 1).unsqueeze(1),
+                              (-hit * inside).unsqueeze(1))
+            grad = grad if dtype is None else grad.to(dtype)
+            grad_weight[cols] = grad.t() @ h
+            grad_hidden.add_(grad @ w[cols])
+            del grad
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None

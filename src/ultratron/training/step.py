@@ -17,7 +17,7 @@ from torch import nn
 from ultratron.models.registry import unwrap
 from ultratron.parallel.axis import MicroBatch
 from ultratron.parallel.parallelize import Parallel
-from ultratron.training.loss import IGNORE, chunked_cross_entropy, cross_entropy
+from ultratron.training.loss import IGNORE, chunked_cross_entropy, cross_entropy, linear_cross_entropy
 from ultratron.training.precision import autocast
 
 
@@ -37,6 +37,13 @@ def hidden_out_in_training(model: nn.Module, precision: str, device: torch.devic
         model.hidden_out = False
 
 
+def plain_head(model: nn.Module) -> bool:
+    """The output head is a bias-free `nn.Linear` with no soft cap (not fp8's, LoRA's or another
+    wrapper): the chunked loss can take its weight (`linear_cross_entropy`) instead of calling it."""
+    output = getattr(model, "output", None)
+    return type(output) is nn.Linear and output.bias is None and not getattr(model.args, "final_softcap", 0)
+
+
 class TrainStep:
     def __init__(self, parallel: Parallel, device: torch.device, precision: str, z_loss: float,
                  compile_loss: bool = False, count_loss_tokens: bool = False, loss_chunk: int = 0):
@@ -44,9 +51,12 @@ class TrainStep:
         self.count_loss_tokens, self.loss_tokens = count_loss_tokens, 0  # the last step's targets that counted
         if loss_chunk > 0:  # the model hands over its hidden states in training; the loss makes the logits
             model = unwrap(parallel.model)
+            plain = plain_head(model)
 
             def train_loss_of(hidden, targets):
                 with autocast(precision, device):  # (the head's matmul as inside the forward)
+                    if plain:  # (the weight looked up each time: FSDP2 swaps in the gathered one)
+                        return linear_cross_entropy(hidden, model.output.weight, targets, z_loss, loss_chunk)
                     return chunked_cross_entropy(hidden, model.head, targets, z_loss, loss_chunk)
 
             self.runner = self.axes.runner(train_loss_of, lambda: hidden_out_in_training(model, precision, device))
