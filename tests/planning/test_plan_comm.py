@@ -109,11 +109,16 @@ def test_data_parallel_by_wrapper_by_hand():
     assert gather.calls == 4 * 32 * 2 and gather.hidden_by == COMPUTE and gather.spans_nodes
     assert gather.nbytes == pytest.approx(2 * psi / 32)  # bf16 parameters, a block's share
     assert gather.unhidden_s == pytest.approx(4 * gather.seconds / gather.calls)  # first block of each micro-batch
-    assert scatter.calls == 32 and scatter.nbytes == pytest.approx(4 * psi / 32)
-    assert scatter.seconds == pytest.approx(32 * (4 * psi / 32 * 15 / 16 / 50e9 + 30e-6))
+    # ZeRO-3 reduce-scatters every micro-batch's gradients, each behind its own backward but its last block's
+    assert scatter.calls == 4 * 32 and scatter.nbytes == pytest.approx(4 * psi / 32) and scatter.hidden_by == COMPUTE
+    assert scatter.seconds == pytest.approx(4 * 32 * (4 * psi / 32 * 15 / 16 / 50e9 + 30e-6))
+    assert scatter.unhidden_s == pytest.approx(4 * scatter.seconds / scatter.calls)
+    zero2 = only(collectives(Layout(dp=16, zero=2, grad_accum=4, seq_len=4096)), "dp", "reduce-scatter")
+    assert zero2.calls == 32 and zero2.hidden_by == LAST_BACKWARD  # ZeRO-2: the last micro-batch's only
     hsdp = collectives(Layout(dp=16, dp_replicate=2, zero=3, grad_accum=4, seq_len=4096))
     across = only(hsdp, "dp", "all-reduce")
     assert across.group == 2 and across.nbytes == pytest.approx(4 * psi / 8) and across.spans_nodes
+    assert across.calls == 4
     piped = collectives(Layout(dp=2, pp=2, grad_accum=4, seq_len=4096))  # zero 0 under pp: FSDP2's replicate
     assert only(piped, "dp", "all-reduce").hidden_by == ""  # reduced after the schedule
 

@@ -75,11 +75,17 @@ def test_static_bytes_follow_the_trainers_zero_stages():
     short = estimate_memory(LLAMA8B, Layout(dp=8, zero=3, seq_len=256))
     assert short.backward_gradients == 0 and short.peak_moment == "step"
     assert short.peak_bytes == pytest.approx(short.static_bytes + short.comm_buffers + 4 / 8 * psi, rel=1e-12)
-    # with a second micro-batch the unsharded fp32 accumulation (4 per parameter) is alive at backward's
-    # peak, gone at the step: the last reduce-scatter frees it as it makes the sharded gradients
-    accumulating = estimate_memory(LLAMA8B, Layout(dp=8, zero=3, seq_len=256, grad_accum=2))
+    # with a second micro-batch ZeRO-2 holds the unsharded fp32 accumulation (4 per parameter) at
+    # backward's peak, gone at the step: the last reduce-scatter frees it as it makes the sharded gradients
+    accumulating = estimate_memory(LLAMA8B, Layout(dp=8, zero=2, seq_len=256, grad_accum=2))
     assert accumulating.grad_accum_buffer == 4 * psi and accumulating.peak_moment == "backward"
-    assert accumulating.step_bytes == pytest.approx(short.step_bytes, rel=1e-12)
+    assert accumulating.step_bytes == pytest.approx(
+        estimate_memory(LLAMA8B, Layout(dp=8, zero=2, seq_len=256)).step_bytes, rel=1e-12)
+    # ZeRO-3 reduce-scatters every micro-batch's: no accumulation, the sharded gradients (4/8) alive
+    # from the second micro-batch's backward on
+    sharded = estimate_memory(LLAMA8B, Layout(dp=8, zero=3, seq_len=256, grad_accum=2))
+    assert sharded.grad_accum_buffer == 0 and sharded.backward_gradients == sharded.gradients == 4 / 8 * psi
+    assert sharded.step_bytes == pytest.approx(short.step_bytes, rel=1e-12)
     # Megatron-LM's table ("bf16 param, fp32 grads"): 18 bytes, 6 + 12/d with the distributed optimizer
     for dp, zero, want in ((1, 0, 18), (8, 1, 6 + 12 / 8)):
         got = estimate_memory(LLAMA8B, Layout(dp=dp, zero=zero, seq_len=2048, fp32_grad_accum=True))

@@ -7,7 +7,8 @@
   zero 2  FSDP2 `fully_shard(reshard_after_forward=False)`: gradients reduce-scattered, optimizer
           state sharded; parameters stay gathered from forward through backward.
   zero 3  FSDP2 `fully_shard(reshard_after_forward=True)`: parameters gathered per block just in
-          time, in forward and again in backward (≈1.5× the traffic of DP: Ultra-Scale Playbook).
+          time, in forward and again in backward (≈1.5× the traffic of DP: Ultra-Scale Playbook),
+          and gradients reduce-scattered after every micro-batch, the shards adding up.
   HSDP    `parallel.dp_replicate > 1`: FSDP2 on a 2-D mesh, sharded within each group of
           dp / dp_replicate ranks and replicated (all-reduced) across the groups.
 
@@ -28,7 +29,8 @@ dp × cp (the flattened mesh `ParallelDims.dp_mesh` gives); the loss and token c
 averaged here over the dp ranks only, and the context axis adds its own ranks.
 
 In a step (`DataAxis`): gradients are reduced only on a step's last micro-batch (`no_sync`, or
-FSDP2's `set_requires_gradient_sync`); the training loss is the mean over the dp ranks (validation
+FSDP2's `set_requires_gradient_sync`), but under ZeRO-3, which reduce-scatters every micro-batch's
+and adds up the shards; the training loss is the mean over the dp ranks (validation
 runs the same batch on every dp rank); ZeRO-1 wraps the optimizer; DDP's gradients stay as views
 of its buckets, zeroed in place.
 """
@@ -128,8 +130,11 @@ class DataAxis(Axis):
         self.groups = [dims.mesh[name].get_group() for name in dims.dp_dims]
 
     def micro_batch_context(self, last: bool):
-        """Reduce the gradients only on the last micro-batch of an accumulation."""
-        if last:
+        """DDP, ZeRO-1 and ZeRO-2 reduce the gradients only on an accumulation's last micro-batch (the
+        unsharded gradients add up in between: one reduction a step); ZeRO-3 reduce-scatters after every
+        micro-batch, so that the sharded gradients add up instead — an unsharded fp32 accumulation
+        would hold 4 bytes of every parameter, more than ZeRO-3 saves (its traffic buys memory)."""
+        if last or self.dims.zero == 3:
             return contextlib.nullcontext()
         if hasattr(self.model, "no_sync"):  # DDP
             return self.model.no_sync()

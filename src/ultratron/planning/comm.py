@@ -28,7 +28,8 @@ rules are those of `parallel/` (each module's docstring says them):
                   forward, and again for backward under ZeRO-3, prefetched one block ahead (the first
                   block's gather is exposed); gradients reduce-scattered on the last micro-batch,
                   hidden behind its backward except the last block's (under pp: after the schedule,
-                  exposed); HSDP then all-reduces the shard across the replicas.
+                  exposed), and under ZeRO-3 on every micro-batch, each behind its own backward but
+                  its last block's; HSDP then all-reduces the shard across the replicas.
 
 Time of one call, `bytes × factor / bandwidth + latency`, with NCCL's bus-bandwidth factors (NCCL
 tests' PERFORMANCE.md): all-reduce 2(n−1)/n, all-gather, reduce-scatter and all-to-all (n−1)/n,
@@ -219,12 +220,17 @@ def _data_parallel(shape, layout, memory, net: Network) -> list[Collective]:
                                (" and backward (ZeRO-3)" if gathers == 2 else ""), block,
                                m * layers * gathers, shard, t, COMPUTE, m))
         piped = layout.pp > 1
-        out.append(_collective(net, "dp", "reduce-scatter", "fp32 gradients per block, "
-                               + ("after the pipeline schedule" if piped else "last backward"), grads / layers, layers,
-                               shard, t, EXPOSED if piped else LAST_BACKWARD, 0 if piped else 1))
+        if layout.zero == 3 and not piped and m > 1:  # every micro-batch's, behind its backward
+            out.append(_collective(net, "dp", "reduce-scatter", "fp32 gradients per block, every backward (ZeRO-3)",
+                                   grads / layers, m * layers, shard, t, COMPUTE, m))
+        else:
+            out.append(_collective(net, "dp", "reduce-scatter", "fp32 gradients per block, "
+                                   + ("after the pipeline schedule" if piped else "last backward"), grads / layers,
+                                   layers, shard, t, EXPOSED if piped else LAST_BACKWARD, 0 if piped else 1))
         if replicas > 1:
+            every = m if layout.zero == 3 and not piped else 1
             out.append(_collective(net, "dp", "all-reduce", "HSDP: the gradient shard across replicas", grads / shard,
-                                   1, replicas, t * shard))
+                                   every, replicas, t * shard))
     if experts:  # split experts stay on their ranks: their gradients are all-reduced over the others holding them
         holders = max(group // layout.ep, 1)
         out.append(_collective(net, "dp", "all-reduce", "expert gradients over the ranks holding the same experts",

@@ -15,9 +15,11 @@ following what `parallel/data.py` does for the layout (`rules.data_parallel_wrap
   from forward through backward, ZeRO-3 only the root (comm_buffers: embedding, final norm, head)
   and, during a block's backward, two blocks, one block's gradients reduce-scattered in fp32 (in
   its transient; at the loss's backward and the optimizer step no block is gathered). With more
-  than one micro-batch a step (or under pp) gradients are reduced only on the last one, so FSDP2
+  than one micro-batch a step (or under pp) ZeRO-2 reduces gradients only on the last one, so FSDP2
   accumulates the unsharded gradients in fp32 until then (grad_accum_buffer, 4; measured by
-  `ultratron simulate`), and under pp torch's stages keep ZeRO-3's parameters gathered as well.
+  `ultratron simulate`); ZeRO-3 reduce-scatters every micro-batch's and its sharded gradients add
+  up (alive from the second micro-batch's backward) but under pp, where torch's stages reduce once
+  after the schedule and keep ZeRO-3's parameters gathered as well.
   `fp32_grad_accum` prices the Megatron-LM convention instead (its README's table, "bf16 param,
   fp32 grads": 18 bytes, 6 + 12/d with the distributed optimizer): bf16 weights 2, fp32 main
   gradients 4 (the bf16 gradient is not kept), fp32 master 4 and moments 8; ZeRO-1 shards master
@@ -276,8 +278,10 @@ def _static(layout: Layout) -> _Static:
         held = layout.zero != 3 or layout.pp > 1
         gathered = layout.gathered_bytes if held else 0.0  # ZeRO-2: held through backward
         # gradient sync is off but on a step's last micro-batch (the data axis' no-sync, or the
-        # stages'), so FSDP2 accumulates each unsharded gradient, in fp32 (its reduce dtype), until then
-        accumulated = 4.0 if n > 1 and (layout.grad_accum > 1 or layout.pp > 1) else 0.0
+        # stages'), so FSDP2 accumulates each unsharded gradient, in fp32 (its reduce dtype), until then;
+        # but ZeRO-3 without pp reduce-scatters every micro-batch and adds up the sharded gradients
+        every_micro = layout.zero == 3 and layout.pp == 1
+        accumulated = 4.0 if n > 1 and (layout.grad_accum > 1 or layout.pp > 1) and not every_micro else 0.0
         # the trainer zeroes gradients to None; FSDP2 makes the sharded ones in the last micro-batch's
         # reduce-scatter, after backward's peak (unsharded, its gradients are the accumulated ones).
         # Under pp torch's stages reduce once all micro-batches ran backward, a moment with the
@@ -286,7 +290,7 @@ def _static(layout: Layout) -> _Static:
         # simulate`, llama3-1b dp2 tp2 pp2 cp2, first rank: measured 4.95 GiB, planned 4.70 with them,
         # 4.30 without)
         return _Static(4 / n + gathered, 4 / n, accumulated, 0.0, 8 / n, False, not held, False,
-                       (n == 1 and earlier) or layout.pp > 1, False)
+                       ((n == 1 or every_micro) and earlier) or layout.pp > 1, False)
     sharded = n if wrapper == "ddp" and layout.zero == 1 else 1
     fused = wrapper in ("none", "ddp") and sharded == 1 and layout.tp == 1
     # DDP's buckets stay from step to step; one process's gradients exist once an earlier micro-batch made them
