@@ -59,6 +59,28 @@ def test_llama3_8b_on_8_gpus_finds_a_fitting_layout_with_reasons():
         assert uses or re.search(r"ranks #\d+ .*\d+\.\d% slower than #1", line), line
 
 
+def test_llama3_70b_on_64_gpus_ranks_the_chunked_loss_and_offload_and_says_why():
+    """Issue 40's search: 70B on 64 H100, 4,194,304 tokens, seq 8,192. The fastest layout with the
+    chunked loss is the winner's twin, slower by the head's second matmul alone and lighter by the
+    logits; the fastest with offload pays its exposed host copies. The summary says both."""
+    result = search(SearchSpec(PRESETS["llama3-70b"], H100, 64, 8, 4 * MILLION, 8192), top=0)
+    best = result.best.layout
+    lines = {line.split(":")[0]: line for line in result.summary if line.startswith(("loss_chunk", "offload"))}
+    chunked = next(e for e in result.ranked if e.layout.loss_chunk)
+    twin = next(e for e in result.ranked if e.layout == dataclasses.replace(chunked.layout, loss_chunk=0))
+    assert chunked.memory.peak_bytes < twin.memory.peak_bytes - 5 * 2**30  # the fp32 logits and their gradient
+    assert chunked.step_s > twin.step_s and chunked.compute_s - twin.compute_s == pytest.approx(
+        chunked.step_s - twin.step_s)  # the head's matmul again, nothing else
+    if best.loss_chunk:
+        assert lines["loss_chunk"].startswith("loss_chunk: #1 uses it")
+    else:
+        rank = result.ranked.index(chunked) + 1
+        assert re.match(rf"loss_chunk: the fastest layout with it ranks #{rank} .* slower than #1 \(#1: compute −",
+                        lines["loss_chunk"]), lines["loss_chunk"]
+    offloaded = next(e for e in result.ranked if e.layout.offload_activations)
+    assert offloaded.offload_exposed_s > 0 and "host offload −" in lines["offload_activations"]
+
+
 def test_llama3_70b_on_8_gpus_says_nothing_fits_and_why():
     result = search(spec_for("llama3-70b", 8))
     assert result.best is None and result.too_big == result.considered > 0
