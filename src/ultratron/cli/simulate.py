@@ -76,6 +76,9 @@ def _print(result: dict) -> None:
     for r in result["ranks"]:
         sent = ", ".join(f"{op} {human(b, 'B')}" for op, b in r["bytes_by_op"].items())
         print(f"rank {r['rank']}: {len(r['collectives'])} collectives: {sent}")
+        if r.get("moved_bytes"):
+            print(f"rank {r['rank']}: offload: {gib(r['offloaded_bytes'])} GiB on the host at most (planned "
+                  f"{gib(r['planned_offloaded_bytes'])}), {gib(r['moved_bytes'])} GiB moved in the step")
     if result["collective_check"] == "ok" and len(result["ranks_compared"]) < 2:
         print("collectives: recorded for one rank, nothing to compare it with (--ranks all compares every rank)")
     elif result["collective_check"] == "ok":

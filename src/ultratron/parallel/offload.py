@@ -28,14 +28,21 @@ class HostActivations:
     `on_host` bytes there now (the most at once: `peak_on_host`), `returned` bytes copied back."""
 
     def __init__(self, model: nn.Module):
-        self.constant = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        self.constant = {_key(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
         self.stream = None
         self.reset()
 
     def reset(self) -> None:
         self.moved = self.returned = self.on_host = self.peak_on_host = 0
 
+    # where the host copies go: None, the real host (pinned on CUDA; on a CPU a clone in the same
+    # memory); "meta" for `ultratron simulate`, whose fake device then frees what moved and allocates
+    # it again when backward takes it back, as a GPU's memory would
+    host_device: str | None = None
+
     def _copy_to_host(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+        if self.host_device is not None:
+            return torch.empty(storage.nbytes(), dtype=torch.uint8, device=self.host_device).untyped_storage()
         if storage.device.type != "cuda":
             return storage.clone()
         if self.stream is None:
@@ -58,9 +65,9 @@ class HostActivations:
 
         def pack(tensor: torch.Tensor):
             storage = tensor.untyped_storage()
-            if storage.data_ptr() in self.constant or storage.nbytes() == 0:
+            if _key(storage) in self.constant or storage.nbytes() == 0:
                 return tensor
-            key = storage.data_ptr()
+            key = _key(storage)
             if key not in moved or moved[key][2].expired():
                 moved[key] = [self._copy_to_host(storage), False, StorageWeakRef(storage)]
                 self.moved += storage.nbytes()
@@ -74,7 +81,9 @@ class HostActivations:
                 return saved
             device, record, (dtype, offset, shape, stride) = saved
             host = record[0]
-            if device.type == "cuda":
+            if self.host_device is not None:  # (simulate: values are not computed)
+                storage = torch.empty(host.nbytes(), dtype=torch.uint8, device=device).untyped_storage()
+            elif device.type == "cuda":
                 if self.stream is not None:
                     torch.cuda.current_stream(device).wait_stream(self.stream)
                 storage = torch.UntypedStorage(host.nbytes(), device=device)
@@ -88,6 +97,12 @@ class HostActivations:
             return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _key(storage: torch.UntypedStorage) -> int:
+    """A storage's identity, shared by every tensor viewing it: its implementation's address (a
+    fake tensor's storage, in `ultratron simulate`, has no data address to tell it apart)."""
+    return storage._cdata
 
 
 def apply_offload(model: nn.Module, enabled: bool, plan: ParallelPlan) -> tuple[nn.Module, HostActivations | None]:

@@ -342,12 +342,13 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
     activations = sum(k * b for k, b in zip(in_flight, per_stage, strict=True)) - loss_logits
     host = 0.0
     if layout.offload_activations and layout.recompute == "none":
-        # every block's saved tensors move to the host as they are saved, but the block's own that runs
-        # (forward, or backward once they are back). Under recompute they are the checkpoint's to keep
-        # (its inputs, its cache), which autograd's hooks do not see: nothing moves (parallel/offload.py)
+        # every block's saved tensors move to the host as they are saved (the host line: what moves, all
+        # of it there at forward's end), and come back as backward takes them: at backward's peak one
+        # block's are back on the device. Under recompute they are the checkpoint's to keep (its inputs,
+        # its cache), which autograd's hooks do not see: nothing moves (parallel/offload.py)
         one_block = layer_activation_bytes(shape, layout, model)
-        host = max(sum(k * one_block * n for k, n in zip(in_flight, where.layers, strict=True)) - one_block, 0.0)
-        activations -= host
+        host = sum(k * one_block * n for k, n in zip(in_flight, where.layers, strict=True))
+        activations -= max(host - one_block, 0.0)
     comm = block_comm = 0.0
     if st.gathered_blocks:
         # a block's sharded parameters: its routed experts too while they are not split

@@ -195,8 +195,13 @@ def memory_tracker():
     return tracker
 
 
+def _device_only(snapshot: dict) -> dict:
+    """The snapshot's devices but "meta", where offloaded activations' stand-in host copies live."""
+    return {dev: v for dev, v in (snapshot or {}).items() if getattr(dev, "type", str(dev)) != "meta"}
+
+
 def total(snapshot: dict) -> int:
-    return int(sum(dev.get("Total", 0) for dev in snapshot.values())) if snapshot else 0
+    return int(sum(dev.get("Total", 0) for dev in _device_only(snapshot).values()))
 
 
 def optimizer_step_bytes(optimizer) -> int:
@@ -243,8 +248,8 @@ def optimizer_step_bytes(optimizer) -> int:
 
 
 def memory_split(tracker) -> dict:
-    snapshot = tracker.get_tracker_snapshot("peak")
-    per_device = next(iter(snapshot.values())) if snapshot else {}
+    snapshot = _device_only(tracker.get_tracker_snapshot("peak"))
+    per_device = next(iter(snapshot.values()), {})
     names = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Activation": "activations",
              "Temp": "temporaries", "Optstate": "optimizer_states", "Other": "other", "Total": "total"}
     return {names.get(str(k).split(".")[-1], str(k)): int(v) for k, v in

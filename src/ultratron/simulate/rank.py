@@ -206,6 +206,9 @@ def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir:
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     _stand_in_for_ddp()
     parallel = parallelize(build_model(cfg.model, "meta"), dims, cfg)
+    host = parallel.host  # activation offload: its host copies on "meta", outside the device's bytes
+    if host is not None:
+        host.host_device = "meta"
     built = time.perf_counter()
     recorder = CollectiveRecorder()
     _plant(plant, lambda: recorder.recording)
@@ -248,6 +251,8 @@ def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir:
         # ZeroRedundancyOptimizer keeps its share's state in its inner optimizer, not in its own `state`
         inner = [optimizer.optim] if hasattr(optimizer, "optim") else []
         tracker.track_external(parallel.model, optimizer, *inner)
+        if host is not None:
+            host.reset()
         static, alive_at_update, update_extra = one_step(tracker)
     memory = memory_split(tracker)
     dist.destroy_process_group()
@@ -262,7 +267,9 @@ def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir:
             "flops": flops.total, "collectives": recorder.calls,
             "bytes_by_op": bytes_by_op(recorder.calls), "build_s": built - started,
             "wall_s": time.perf_counter() - started,
-            "host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            # offload: the most on the host at once in the measured step, and the bytes it moved there
+            "offloaded_bytes": host.peak_on_host if host else 0, "moved_bytes": host.moved if host else 0}
 
 
 class _Done:

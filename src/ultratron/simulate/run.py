@@ -110,6 +110,7 @@ def simulate(config: str | None, overrides: list[str], ranks: str = "roles", pla
             planned_flops = flops * tokens / (layout.tp * layout.cp)
             results.append({**got, "role": role, "coordinates": c.describe(), "pp_rank": c.pp,
                             "planned_peak_bytes": planned.peak_bytes,
+                            "planned_offloaded_bytes": planned.host_activations,
                             "planned": {term: getattr(planned, term) for term in planned.TERMS},
                             "peak_ratio": got["peak_bytes"] / planned.peak_bytes if planned.peak_bytes else None,
                             "planned_flops": planned_flops,
