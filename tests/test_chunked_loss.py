@@ -162,8 +162,8 @@ def test_loss_chunk_is_refused_where_it_does_not_run_yet():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["--training.loss_chunk", "512", "--parallel.tp", "2"])
     assert info.value.problems == [
-        "training.loss_chunk=512 runs with data parallelism (DDP, ZeRO 1-3, HSDP) and cp for now, not with tp=2, "
-        "pp=1; use training.loss_chunk=0"]
+        "training.loss_chunk=512 runs with data parallelism (DDP, ZeRO 1-3, HSDP), pp and cp for now, not with "
+        "tp=2; use training.loss_chunk=0"]
 
 
 def test_simulate_measures_what_the_planner_prices_for_the_chunked_loss():

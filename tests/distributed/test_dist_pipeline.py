@@ -29,8 +29,12 @@ EXTRA = ["--model.n_layers", "8", "--optim.lr", "1e-3", "--training.sample_token
 
 PP2 = {f"pp2-{s}": ["--parallel.pp", "2", "--parallel.pp_schedule", s]
        for s in ("gpipe", "1f1b", "interleaved-1f1b", "zb", "zbv", "dualpipev")}
+# the chunked loss (training.loss_chunk) on the last stage: 1F1B, and ZBV's split weight backward
+CHUNKED = ["--training.loss_chunk", "50"]
 RANKS_2 = {**{(name, "fp32"): args for name, args in PP2.items()},
-           ("pp2-1f1b", "bf16"): PP2["pp2-1f1b"], ("pp2-zbv", "bf16"): PP2["pp2-zbv"]}
+           ("pp2-1f1b", "bf16"): PP2["pp2-1f1b"], ("pp2-zbv", "bf16"): PP2["pp2-zbv"],
+           ("pp2-1f1b-loss-chunk", "fp32"): PP2["pp2-1f1b"] + CHUNKED,
+           ("pp2-zbv-loss-chunk", "fp32"): PP2["pp2-zbv"] + CHUNKED}
 DP2_PP2 = ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.zero", "1"]
 RANKS_4 = {("pp4-interleaved-v2", "fp32"): ["--parallel.pp", "4", "--parallel.pp_schedule", "interleaved-1f1b",
                                             "--parallel.pp_virtual_stages", "2"],

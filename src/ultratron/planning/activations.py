@@ -231,8 +231,8 @@ def last_stage_items(shape, layout, model: str = "per-op") -> tuple[dict[str, fl
     loss = {"log-probabilities": 4 * tokens * v / t, "targets": 8 * tokens * (2 if t > 1 else 1)}
     if layout.loss_chunk:  # chunked: forward keeps no logits, backward recomputes one chunk at a time
         del loss["log-probabilities"]
-    if layout.pp > 1:  # the pipeline stage holds its output until its backward
-        loss["logits"] = dt.compute * tokens * v / t
+    if layout.pp > 1 and not layout.loss_chunk:  # the pipeline stage holds its output until its backward
+        loss["logits"] = dt.compute * tokens * v / t  # (chunked: the hidden states, which the loss keeps anyway)
     return head, loss
 
 

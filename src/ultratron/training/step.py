@@ -27,14 +27,17 @@ def as_micro_batch(batch: tuple) -> MicroBatch:
 
 
 @contextlib.contextmanager
-def hidden_out_in_training(model: nn.Module, precision: str, device: torch.device):
-    """Autocast, and a training-mode forward that returns the hidden states (evaluation keeps logits)."""
-    model.hidden_out = model.training
+def hidden_out_in_training(models: list[nn.Module], precision: str, device: torch.device):
+    """Autocast, and a training-mode forward that returns the hidden states (evaluation keeps logits):
+    of the model, and of a pipeline's stage modules (views of it, which the schedule runs)."""
+    for model in models:
+        model.hidden_out = model.training
     try:
         with autocast(precision, device):
             yield
     finally:
-        model.hidden_out = False
+        for model in models:
+            model.hidden_out = False
 
 
 def plain_head(model: nn.Module) -> bool:
@@ -59,7 +62,10 @@ class TrainStep:
                         return linear_cross_entropy(hidden, model.output.weight, targets, z_loss, loss_chunk)
                     return chunked_cross_entropy(hidden, model.head, targets, z_loss, loss_chunk)
 
-            self.runner = self.axes.runner(train_loss_of, lambda: hidden_out_in_training(model, precision, device))
+            holders = [model]
+            self.runner = self.axes.runner(train_loss_of, lambda: hidden_out_in_training(holders, precision, device))
+            pipeline = getattr(self.runner, "pipeline", None)
+            holders += pipeline.modules if pipeline is not None else []
             return
         train_loss = parallel.compiled_loss(cross_entropy, compile_loss)  # (validation's stays eager)
         self.runner = self.axes.runner(lambda logits, targets: train_loss(logits, targets, z_loss),

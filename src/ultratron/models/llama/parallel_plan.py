@@ -114,6 +114,7 @@ class LlamaStage(nn.Module):
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         self.sequence_shards = 1
         self.positions: torch.Tensor | None = None
+        self.hidden_out = False  # the last stage hands the final normed hidden states on (Llama.hidden_out)
 
     def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """`documents`: the packed documents of the micro-batch's rows, as `Llama.forward` takes them
@@ -127,8 +128,13 @@ class LlamaStage(nn.Module):
         for layer in self.layers.values():
             x = layer(x, cos, sin, mask=mask)
         if self.output is not None:
-            x = softcap(self.output(self.norm(x)), self.args.final_softcap)
+            x = self.norm(x)
+            return x if self.hidden_out else self.head(x)
         return x
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last stage's final normed hidden states → logits (as `Llama.head`)."""
+        return softcap(self.output(hidden), self.args.final_softcap)
 
 
 def pipeline_stage(model: nn.Module, layer_names: list[str], first: bool, last: bool) -> LlamaStage:
