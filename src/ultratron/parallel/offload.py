@@ -1,7 +1,7 @@
 """Activation offload to host memory, applied from outside the model to each transformer block.
 
-While a block runs forward, every tensor autograd saves for its backward (but the model's own
-parameters and buffers) is copied to host memory and the device copy let go; backward copies it back
+While a block runs forward, every tensor autograd saves for its backward (but the block's weights and
+the model's buffers) is copied to host memory and the device copy let go; backward copies it back
 when it unpacks it (torch's `saved_tensors_hooks`). On CUDA the host copy is pinned and made on a side
 stream, overlapped with the next ops' compute (the tensor's memory is kept from reuse until the copy
 is done, `record_stream`); on a CPU host and device are one memory, so the mechanism is checked for
@@ -12,6 +12,20 @@ Under selective recompute the outputs the checkpoint keeps are held by the check
 not by autograd, and stay put; under full recompute only each block's input is saved: offload and
 recompute compose (the same training), each keeping what the other leaves. On CUDA a storage that
 several saved tensors view is copied back for each (a cache of the device copy is left to do).
+
+The weights are the block's parameters as its forward sees them, taken as it starts (`hooks`), not
+when offload is applied: FSDP2 (ZeRO-2/3, applied after offload) swaps in gathered weights (bf16
+under its mixed precision; memory allocated at each gather) in its pre-forward hook, and keeps them
+for backward (ZeRO-2) or gathers them again (ZeRO-3). Copying them would free nothing on the device
+and add the block's weights to each micro-batch's host traffic; so in fp32 under ZeRO-2/3 the bytes
+moved are one process's for the same micro-batch (tests/distributed/test_dist_offload.py). (The
+model's storages when offload was applied are freed by then, and activations' may take their keys.)
+Autocast's bf16 copies of fp32 weights (one process, DDP, ZeRO-1), which the matmuls save, do move.
+Autocast's cache holds them only until the micro-batch's forward leaves autocast; from then on the
+saved tensor is their only owner, so kept they would stay through backward beside the loss's
+gradients and the returned activations, while moved only the running block's come back. That costs
+2 bytes per weight each way per micro-batch, and is what the planner counts on the host
+(`planning/activations.py`, "bf16 weight copies"). Moved or kept, backward gets the same bits.
 """
 
 from __future__ import annotations
@@ -28,7 +42,7 @@ class HostActivations:
     `on_host` bytes there now (the most at once: `peak_on_host`), `returned` bytes copied back."""
 
     def __init__(self, model: nn.Module):
-        self.constant = {_key(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
+        self.model = model
         self.stream = None
         self.reset()
 
@@ -55,17 +69,20 @@ class HostActivations:
         torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).record_stream(self.stream)
         return host
 
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """Whole storages move, once per block forward however many saved tensors view them; a saved
-        tensor comes back as the same view (offset, shape, strides) of its storage's copy, so backward
-        runs the same kernels on the same layouts."""
+    def hooks(self, block: nn.Module) -> torch.autograd.graph.saved_tensors_hooks:
+        """For one forward of `block`, entered as it starts. Whole storages move, once per block forward
+        however many saved tensors view them; a saved tensor comes back as the same view (offset, shape,
+        strides) of its storage's copy, so backward runs the same kernels on the same layouts."""
+        # the weights as the block runs with them: under FSDP2 the gathered ones its pre-forward hook
+        # (which runs before this one) has just swapped in, new storages at every gather
+        constant = {_key(t.untyped_storage()) for t in [*block.parameters(), *self.model.buffers()]}
         # storage → [host copy, returned, a weak reference to the storage]: an address freed (its tensor
         # moved) and reused within the block is a new storage, which the weak reference tells apart
         moved: dict[int, list] = {}
 
         def pack(tensor: torch.Tensor):
             storage = tensor.untyped_storage()
-            if _key(storage) in self.constant or storage.nbytes() == 0:
+            if _key(storage) in constant or storage.nbytes() == 0:
                 return tensor
             key = _key(storage)
             if key not in moved or moved[key][2].expired():
@@ -114,7 +131,7 @@ def apply_offload(model: nn.Module, enabled: bool, plan: ParallelPlan) -> tuple[
     entered: list = []
 
     def enter(module, args):
-        entered.append(host.hooks())
+        entered.append(host.hooks(module))
         entered[-1].__enter__()
 
     def leave(module, args, output):
