@@ -32,6 +32,7 @@ test: setup
 OTHER_ISA := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX512_CORE MKL_CBWR=AVX \
 	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/$(VENV)/inductor-other-isa
 ISA_TESTS ?= tests/distributed/test_dist_equivalence.py tests/distributed/test_dist_combinations.py \
+	tests/distributed/test_dist_offload.py \
 	tests/distributed/test_dist_cp_ep.py tests/distributed/test_dist_pipeline.py tests/distributed/test_dist_context_parallel.py \
 	 tests/test_grad_accum.py tests/test_train_run.py tests/test_compile.py \
 	tests/test_document_masking.py tests/test_moe.py tests/test_cpu_linear.py tests/test_fp8.py tests/test_chunked_loss.py \

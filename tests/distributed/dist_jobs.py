@@ -365,3 +365,41 @@ def measure_forward_backward_peak(base: list[str], flags: list[str], out_dir: st
         trainer.axes.clip_grad_norm(trainer.cfg.training.grad_clip)
     peak = total(tracker.get_tracker_snapshot("peak"))
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps({"peak_bytes": peak}))
+
+
+def measure_offloaded_bytes(base: list[str], layouts: list[list[str]], out_dir: str) -> None:
+    """For each layout (with training.offload_activations on), a model `parallelize` builds for it
+    runs two micro-batches of the same random tokens (the same on every rank) forward and backward;
+    [bytes moved to the host in forward, bytes returned in backward] of each (`Parallel.host`), one
+    entry per layout, written to out_dir/rank<r>.json. Also runs in one process (rank 0)."""
+    import json
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from ultratron.config import load_config
+    from ultratron.models.registry import build_model
+    from ultratron.parallel.parallelize import parallelize, topology
+    from ultratron.training.precision import autocast
+
+    results = []
+    for flags in layouts:
+        cfg = load_config(None, base + flags)
+        dims = topology(cfg.layout)
+        device = dims.init_distributed(torch.device("cpu"))
+        torch.manual_seed(0)
+        parallel = parallelize(build_model(cfg.model), dims, cfg)
+        tokens = torch.randint(0, cfg.model.vocab_size, (cfg.training.micro_batch_size, cfg.training.seq_len))
+        moved = []
+        for last in (False, True):  # (ZeRO-2/3 reshard and reduce only after the last)
+            parallel.host.reset()
+            with parallel.axes.step_context(training=True), parallel.axes.micro_batch_context(last=last):
+                with autocast(cfg.training.precision, device):
+                    loss = parallel.model(tokens).float().logsumexp(-1).mean()
+                forward = parallel.host.moved
+                loss.backward()
+            moved.append([forward, parallel.host.returned])
+        results.append(moved)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
