@@ -69,6 +69,12 @@ class HostActivations:
         torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).record_stream(self.stream)
         return host
 
+    def _count_returned(self, record: list, host: torch.UntypedStorage) -> None:
+        if not record[1]:  # (a storage several saved tensors view comes back for each; counted once)
+            record[1] = True
+            self.returned += host.nbytes()
+            self.on_host -= host.nbytes()
+
     def hooks(self, block: nn.Module) -> torch.autograd.graph.saved_tensors_hooks:
         """For one forward of `block`, entered as it starts. Whole storages move, once per block forward
         however many saved tensors view them; a saved tensor comes back as the same view (offset, shape,
@@ -99,18 +105,18 @@ class HostActivations:
             device, record, (dtype, offset, shape, stride) = saved
             host = record[0]
             if self.host_device is not None:  # (simulate: values are not computed)
-                storage = torch.empty(host.nbytes(), dtype=torch.uint8, device=device).untyped_storage()
-            elif device.type == "cuda":
+                self._count_returned(record, host)
+                # (a fake storage made whole and viewed with set_ outlives its tensor: as_strided does not)
+                whole = torch.empty(host.nbytes() // dtype.itemsize, dtype=dtype, device=device)
+                return whole.as_strided(shape, stride, offset)
+            if device.type == "cuda":
                 if self.stream is not None:
                     torch.cuda.current_stream(device).wait_stream(self.stream)
                 storage = torch.UntypedStorage(host.nbytes(), device=device)
                 storage.copy_(host, non_blocking=True)
             else:
                 storage = host
-            if not record[1]:  # (a storage several saved tensors view comes back for each; counted once)
-                record[1] = True
-                self.returned += host.nbytes()
-                self.on_host -= host.nbytes()
+            self._count_returned(record, host)
             return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -340,15 +340,16 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
                                per_stage)
     loss_logits = sum(k * loss for k, loss in zip(in_flight, loss_share, strict=True))
     activations = sum(k * b for k, b in zip(in_flight, per_stage, strict=True)) - loss_logits
-    host = 0.0
+    host = back = 0.0  # back: offload's block whose activations are back on the device for its backward
     if layout.offload_activations and layout.recompute == "none":
         # every block's saved tensors move to the host as they are saved (the host line: what moves, all
-        # of it there at forward's end), and come back as backward takes them: at backward's peak one
-        # block's are back on the device. Under recompute they are the checkpoint's to keep (its inputs,
+        # of it there at forward's end), and come back as backward takes them: one block's, during its
+        # backward (in the transient). Under recompute they are the checkpoint's to keep (its inputs,
         # its cache), which autograd's hooks do not see: nothing moves (parallel/offload.py)
         one_block = layer_activation_bytes(shape, layout, model)
         host = sum(k * one_block * n for k, n in zip(in_flight, where.layers, strict=True))
-        activations -= max(host - one_block, 0.0)
+        activations -= host
+        back = one_block
     comm = block_comm = 0.0
     if st.gathered_blocks:
         # a block's sharded parameters: its routed experts too while they are not split
@@ -362,7 +363,7 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
     # Backward's transients on top of forward's leftovers: the loss's gradients on the last stage,
     # then a block's backward with ZeRO-3's gathered blocks (the last stage has freed its head and
     # log-probabilities by then).
-    transient = without_loss = max(block_backward_bytes(shape, layout, model) + block_comm - max(freed), 0.0)
+    transient = without_loss = max(block_backward_bytes(shape, layout, model) + block_comm + back - max(freed), 0.0)
     if where.last:
         transient = max(transient, loss_backward_bytes(shape, layout))
     if layout.pp > 1:  # torch's stages keep a receive buffer per micro-batch and neighbour on another rank
