@@ -70,7 +70,8 @@ def test_simulate_measures_the_device_peak_fall_and_the_host_line_of_the_8b_layo
     base = ["--model.preset", "llama3-8b", "--model.n_layers", "4", "--training.seq_len", "8192",
             "--training.micro_batch_size", "1", "--training.batch_tokens", "65536", "--training.precision", "bf16",
             "--parallel.dp", "8", "--parallel.zero", "3"]
-    off, on = (simulate(None, base + ["--training.offload_activations", flag])["ranks"][0] for flag in ("false", "true"))
+    off, on = (simulate(None, base + ["--training.offload_activations", flag])["ranks"][0]
+               for flag in ("false", "true"))
     for r in (off, on):
         assert r["peak_ratio"] == pytest.approx(1.0, abs=0.05)
     activations = off["planned"]["activations"]
