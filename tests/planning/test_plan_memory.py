@@ -221,8 +221,8 @@ def test_offload_moves_every_blocks_activations_and_one_comes_back_for_its_backw
     worth, is what moves: all of it there at forward's end) and each block's come back for its
     backward (one block's in the blocks' transient, below the loss's here). The peak, the loss's
     backward, has every block's on the host: it falls by all of them, 53.28 GiB, ≥ 50% of the
-    activations (measured so by `ultratron simulate`: tests/test_offload.py). Under recompute the checkpoint keeps its own tensors
-    (autograd's hooks do not see them): nothing moves."""
+    activations (measured so by `ultratron simulate`: tests/test_offload.py). Under recompute the
+    checkpoint keeps its own tensors (autograd's hooks do not see them): nothing moves."""
     base = Layout(dp=8, zero=3, tp=1, micro_batch_size=1, seq_len=8192, precision="bf16")
     off = dataclasses.replace(base, offload_activations=True)
     a, b = estimate_memory(LLAMA8B, base), estimate_memory(LLAMA8B, off)
