@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ultratron.models.plan import ParallelPlan
@@ -81,12 +82,17 @@ class HostActivations:
         strides) of its storage's copy, so backward runs the same kernels on the same layouts."""
         # the weights as the block runs with them: under FSDP2 the gathered ones its pre-forward hook
         # (which runs before this one) has just swapped in, new storages at every gather
-        constant = {_key(t.untyped_storage()) for t in [*block.parameters(), *self.model.buffers()]}
+        constant = {_key(_local(t).untyped_storage()) for t in [*block.parameters(), *self.model.buffers()]}
         # storage → [host copy, returned, a weak reference to the storage]: an address freed (its tensor
         # moved) and reused within the block is a new storage, which the weak reference tells apart
         moved: dict[int, list] = {}
 
         def pack(tensor: torch.Tensor):
+            if isinstance(tensor, DTensor):  # (tensor parallel: its local shard moves, and comes back wrapped)
+                return "dtensor", pack(tensor._local_tensor), tensor.device_mesh, tensor.placements, \
+                    tensor.shape, tensor.stride()
+            if type(tensor) not in (torch.Tensor, nn.Parameter):  # e.g. a collective's pending result: stays
+                return tensor
             storage = tensor.untyped_storage()
             if _key(storage) in constant or storage.nbytes() == 0:
                 return tensor
@@ -102,6 +108,9 @@ class HostActivations:
         def unpack(saved):
             if isinstance(saved, torch.Tensor):
                 return saved
+            if saved[0] == "dtensor":
+                _, local, mesh, placements, shape, stride = saved
+                return DTensor.from_local(unpack(local), mesh, placements, run_check=False, shape=shape, stride=stride)
             device, record, (dtype, offset, shape, stride) = saved
             host = record[0]
             if self.host_device is not None:  # (simulate: values are not computed)
@@ -120,6 +129,11 @@ class HostActivations:
             return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (whose storage is real), or the tensor."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def _key(storage: torch.UntypedStorage) -> int:
