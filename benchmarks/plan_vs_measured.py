@@ -291,7 +291,7 @@ def _describe(est) -> str:
 
 
 def _parts(est) -> dict[str, float]:
-    from ultratron.planning.search import step_terms
+    from ultratron.planning.reasons import step_terms
 
     return step_terms(est)
 

@@ -202,3 +202,16 @@ def test_simulate_measures_the_loss_leaving_the_peak_under_zero3():
     planned = runs[0]["planned_peak_bytes"] - runs[256]["planned_peak_bytes"]
     assert measured == pytest.approx(planned, rel=0.05)
     assert runs[1024]["peak_bytes"] == runs[256]["peak_bytes"]
+
+
+def test_a_frozen_head_gets_no_gradient_and_its_input_the_same_one():
+    """LoRA freezes the head: the linear loss then makes no weight gradient, and the hidden states'
+    is the one the whole-logits path gives (fp32: GRAD_TOL of its largest element)."""
+    torch.manual_seed(0)
+    hidden = torch.randn(64, 32, requires_grad=True)
+    weight = torch.randn(500, 32) * 0.1  # frozen
+    targets = torch.randint(0, 500, (64,))
+    whole, _ = cross_entropy(torch.nn.functional.linear(hidden, weight).unsqueeze(0), targets.unsqueeze(0))
+    chunked, _ = linear_cross_entropy(hidden, weight, targets, 0.0, 16)
+    (want,), (got,) = (torch.autograd.grad(loss, (hidden,)) for loss in (whole, chunked))
+    assert weight.grad is None and (got - want).abs().max() <= GRAD_TOL * want.abs().max()

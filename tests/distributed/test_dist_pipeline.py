@@ -34,7 +34,9 @@ CHUNKED = ["--training.loss_chunk", "50"]
 RANKS_2 = {**{(name, "fp32"): args for name, args in PP2.items()},
            ("pp2-1f1b", "bf16"): PP2["pp2-1f1b"], ("pp2-zbv", "bf16"): PP2["pp2-zbv"],
            ("pp2-1f1b-loss-chunk", "fp32"): PP2["pp2-1f1b"] + CHUNKED,
-           ("pp2-zbv-loss-chunk", "fp32"): PP2["pp2-zbv"] + CHUNKED}
+           ("pp2-zbv-loss-chunk", "fp32"): PP2["pp2-zbv"] + CHUNKED,
+           # and the blocks' saved tensors through host memory on each stage (training.offload_activations)
+           ("pp2-1f1b-offload", "fp32"): PP2["pp2-1f1b"] + ["--training.offload_activations", "true"]}
 DP2_PP2 = ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.zero", "1"]
 RANKS_4 = {("pp4-interleaved-v2", "fp32"): ["--parallel.pp", "4", "--parallel.pp_schedule", "interleaved-1f1b",
                                             "--parallel.pp_virtual_stages", "2"],

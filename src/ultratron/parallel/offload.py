@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -91,7 +92,7 @@ class HostActivations:
             if isinstance(tensor, DTensor):  # (tensor parallel: its local shard moves, and comes back wrapped)
                 return "dtensor", pack(tensor._local_tensor), tensor.device_mesh, tensor.placements, \
                     tensor.shape, tensor.stride()
-            if type(tensor) not in (torch.Tensor, nn.Parameter):  # e.g. a collective's pending result: stays
+            if isinstance(tensor, AsyncCollectiveTensor):  # a collective's pending result (tp): stays
                 return tensor
             storage = tensor.untyped_storage()
             if _key(storage) in constant or storage.nbytes() == 0:

@@ -1,5 +1,6 @@
 """The reasons `plan estimate` and `plan search` give for a layout: what fits and why, what the step
-is made of, and what each of its memory-saving choices buys."""
+is made of, and what each of its memory-saving choices buys; and the search's own: why #1 beats the
+next other split, and where the fastest layout using each memory-saving option ranks."""
 
 from __future__ import annotations
 
@@ -57,3 +58,65 @@ def reasons_for(spec, est, bubble_fraction: float) -> list[str]:
             reasons.append(f"{name}={getattr(lay, name)} ({cost}): without it this layout needs {need / GiB:.1f} GiB"
                            + (" and does not fit" if need > spec.usable_bytes else ", which fits too"))
     return reasons
+
+
+def step_terms(est) -> dict[str, float]:
+    """The step's parts by name (seconds on the critical path): they add up to `step_s`."""
+    return {"compute": est.compute_s, "elementwise": est.elementwise_s, "tensor-parallel collectives": est.tp_comm_s,
+            "context-parallel ring": est.cp_exposed_s, "expert all-to-all": est.ep_comm_s,
+            "pipeline transfers": est.pp_comm_s, "pipeline bubble": est.bubble_s,
+            "data-parallel sync": est.dp_exposed_s, "optimizer step": est.optimizer_s,
+            "host offload": est.offload_exposed_s}
+
+
+def step_difference(best, other) -> tuple[float, str]:
+    """(how much longer `other`'s step is, a fraction; the three parts of the step that differ most,
+    as "name −/+ms" from `best`'s side: − where `best` spends less)."""
+    gains = {name: other_s - best_s for (name, best_s), other_s in
+             zip(step_terms(best).items(), step_terms(other).values(), strict=True)}
+    top = sorted((kv for kv in gains.items() if abs(kv[1]) > 1e-3 * best.step_s), key=lambda kv: -abs(kv[1]))[:3]
+    parts = ", ".join(f"{name} {'−' if gain > 0 else '+'}{abs(gain) * 1e3:.0f} ms" for name, gain in top)
+    return other.step_s / best.step_s - 1, parts
+
+
+def why_first(best, other) -> str:
+    """One line: how much faster the winner is than the next layout and which parts of the step make it."""
+    faster, parts = step_difference(best, other)
+    if faster < 0.005:
+        return (f"why #1: as fast as the next other split ({other.layout.describe()}) within the model's "
+                "resolution (0.5 %); it has fewer moving parts" + (f" ({parts})" if parts else ""))
+    return (f"why #1: {faster:.1%} faster than the next other split ({other.layout.describe()}): "
+            + (parts or "the same parts"))
+
+
+# the memory-saving options `plan search` reports on one by one: where the fastest layout using each
+# ranks, or why none that uses it fits
+OPTIONS = ("offload_activations", "loss_chunk")
+
+
+def options_summary(spec, fitting: list, closest_with: dict) -> list[str]:
+    """A line for each of `OPTIONS`: #1 uses it, or how much slower the fastest fitting layout that
+    uses it is and which parts of its step make the difference, or why no layout using it fits."""
+    lines = []
+    for option in OPTIONS:
+        rank, est = next(((i, e) for i, e in enumerate(fitting, 1) if getattr(e.layout, option)), (0, None))
+        if est is not None and rank == 1:
+            lines.append(f"{option}: #1 uses it (its reasons say what it buys)")
+        elif est is not None:
+            slower, parts = step_difference(fitting[0], est)
+            lines.append(f"{option}: the fastest layout with it ranks #{rank} ({est.layout.describe()}), "
+                         f"{slower:.1%} slower than #1" + (f" (#1: {parts})" if parts else ""))
+        elif option in closest_with:
+            _, layout, mem = closest_with[option]
+            host = spec.accelerator.host_memory_bytes
+            over = [f"{mem.peak_bytes / GiB:.1f} GiB on the GPU (of {spec.usable_bytes / GiB:.1f} usable)"] \
+                if mem.peak_bytes > spec.usable_bytes else []
+            if mem.host_activations > host:
+                over.append(f"{mem.host_activations / GiB:.1f} GiB of host memory per GPU (of "
+                            f"{host / GiB:.0f})")
+            largest = max(mem.TERMS, key=lambda term: getattr(mem, term))
+            lines.append(f"{option}: no layout with it fits; the nearest ({layout.describe()}) needs "
+                         + " and ".join(over) + f", {getattr(mem, largest) / GiB:.1f} GiB of it {largest}")
+        else:
+            lines.append(f"{option}: no layout with it is left under the trainer's rules and the fixed fields")
+    return lines

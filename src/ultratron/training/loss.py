@@ -124,7 +124,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = counted * (grad_ce + (2 * grad_z * log_z if ctx.z_loss > 0 else 0)) / n
         hit = counted * grad_ce / n
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_weight = torch.empty_like(weight)
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None  # (a frozen head: none)
         width = max(1, ctx.chunk * vocab // tokens)  # a slice of the vocabulary: chunk tokens' worth of logits
         for start in range(0, vocab, width):
             cols = slice(start, start + width)
@@ -133,7 +133,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad.scatter_add_(1, (targets - start).clamp(0, grad.shape[1] - 1).unsqueeze(1),
                               (-hit * inside).unsqueeze(1))
             grad = grad if dtype is None else grad.to(dtype)
-            grad_weight[cols] = grad.t() @ h
+            if grad_weight is not None:
+                grad_weight[cols] = grad.t() @ h
             grad_hidden.add_(grad @ w[cols])
             del grad
         return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
