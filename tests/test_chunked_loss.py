@@ -21,7 +21,6 @@ import torch
 
 from tolerances import CHUNKED
 from ultratron.config import load_config
-from ultratron.errors import ConfigError
 from ultratron.models.registry import build_model
 from ultratron.parallel.memory import AllocatedBytes
 from ultratron.planning.activations import last_stage_items
@@ -156,14 +155,6 @@ def test_the_trainer_with_loss_chunk_logs_the_same_losses_and_norms(tiny_overrid
         a, b = ([r[key] for r in runs[c] if key in r] for c in (0, 100))
         assert len(a) == len(b) > 0
         assert b == pytest.approx(a, rel=CHUNKED[key]), key  # two training runs: tests/tolerances.py
-
-
-def test_loss_chunk_is_refused_where_it_does_not_run_yet():
-    with pytest.raises(ConfigError) as info:
-        load_config(None, ["--training.loss_chunk", "512", "--parallel.tp", "2"])
-    assert info.value.problems == [
-        "training.loss_chunk=512 runs with data parallelism (DDP, ZeRO 1-3, HSDP), pp and cp for now, not with "
-        "tp=2; use training.loss_chunk=0"]
 
 
 def test_simulate_measures_what_the_planner_prices_for_the_chunked_loss():

@@ -1,7 +1,8 @@
 """The layouts the config accepts beyond the core set, each checked against one process (fp32, as
 dist_common's `assert_equivalent` compares): dp×tp with ZeRO 0 and 1, dp×tp
 without sequence parallel, HSDP with ZeRO-2, recomputation under tp and dp×tp, z-loss on
-vocab-sharded logits; and checkpoints that cross layouts: a ZeRO-1 checkpoint resumed under
+vocab-sharded logits, the chunked loss (training.loss_chunk) under DDP, ZeRO-1/3, cp and tp (z-loss
+too) and with offload; and checkpoints that cross layouts: a ZeRO-1 checkpoint resumed under
 ZeRO-1, ZeRO-3 and one process, a one-process checkpoint resumed under dp2×tp2+sp. fp8 (torchao's
 float8, emulated) under ZeRO-3 (its weights all-gathered in fp8) and tp2+sp against fp8 in one process."""
 
@@ -34,6 +35,8 @@ TWO = {
     "dp2-loss-chunk": ["--parallel.dp", "2", "--training.loss_chunk", "50"],
     "dp2-zero3-loss-chunk": ["--parallel.dp", "2", "--parallel.zero", "3", "--training.loss_chunk", "50"],
     "cp2-loss-chunk": ["--parallel.cp", "2", "--training.loss_chunk", "50"],
+    # and under tp: each rank's rows of the vocabulary-sharded head (the hidden states gathered under sp)
+    "tp2-sp-loss-chunk": ["--parallel.tp", "2", "--parallel.sp", "true", "--training.loss_chunk", "50"],
     "dp2-zero1-loss-chunk-offload": ["--parallel.dp", "2", "--parallel.zero", "1", "--training.loss_chunk", "50",
                                      "--training.offload_activations", "true"],
 }
@@ -63,6 +66,8 @@ def runs(dist_base, references, tmp_path_factory):
     zero1_ckpt = zero1 / "checkpoints" / f"step-{SAVE_AT:07d}"
     two = [fp32 + args + ["--run.dir", str(root / name)] for name, args in TWO.items()]
     two += [fp32 + ["--parallel.tp", "2"] + Z_LOSS + ["--run.dir", str(root / "tp2-zloss")],
+            fp32 + ["--parallel.tp", "2", "--training.loss_chunk", "50"] + Z_LOSS + ["--run.dir",
+                                                                                   str(root / "tp2-zloss-loss-chunk")],
             fp32 + ["--parallel.dp", "2", "--parallel.zero", "1", "--training.stop_after", str(SAVE_AT),
                     "--run.dir", str(zero1)],
             fp32 + ["--parallel.dp", "2", "--parallel.zero", "1", "--checkpoint.resume", str(zero1_ckpt),
@@ -78,8 +83,8 @@ def runs(dist_base, references, tmp_path_factory):
     shutil.copytree(zero1_ckpt, root / "zero1-copy")  # the one-process resume must not need the original run
     train(load_config(None, fp32 + ["--checkpoint.resume", str(root / "zero1-copy"), "--run.dir",
                                     str(root / "zero1-to-one")]), echo=False)
-    names = [*FOUR, *TWO, "tp2-zloss", "one-zloss", "zero1-to-zero1", "zero1-to-zero3", "zero1-to-one",
-             "one-to-dp2xtp2", *TWO_FP8, "fp8-one"]
+    names = [*FOUR, *TWO, "tp2-zloss", "tp2-zloss-loss-chunk", "one-zloss", "zero1-to-zero1", "zero1-to-zero3",
+             "zero1-to-one", "one-to-dp2xtp2", *TWO_FP8, "fp8-one"]
     return {name: root / name for name in names}
 
 
@@ -88,8 +93,9 @@ def test_layout_equals_one_process(runs, references, name):
     assert_equivalent(runs[name], references["fp32"], "fp32", name)
 
 
-def test_z_loss_on_vocab_sharded_logits_equals_one_process(runs, references):
-    assert_equivalent(runs["tp2-zloss"], runs["one-zloss"], "fp32", "tp2-zloss")
+@pytest.mark.parametrize("name", ["tp2-zloss", "tp2-zloss-loss-chunk"])
+def test_z_loss_on_vocab_sharded_logits_equals_one_process(runs, references, name):
+    assert_equivalent(runs[name], runs["one-zloss"], "fp32", name)
     # and z-loss changed the training, so the comparison is not with a run that ignored it
     assert any(abs(a["grad_norm"] - b["grad_norm"]) > 1e-4 * b["grad_norm"] for a, b in zip(
         records(runs["one-zloss"]), records(references["fp32"]), strict=True))

@@ -251,7 +251,7 @@ def loss_backward_bytes(shape, layout) -> float:
     dt = dtypes_of(layout)
     chunk = min(layout.loss_chunk, tokens)
     per_logit = 4 + (dt.compute if dt.compute < 4 else 0)
-    casts = dt.compute * (v * h + tokens * h) if dt.casts else 0.0
+    casts = dt.compute * (v * h / t + tokens * h) if dt.casts else 0.0
     return per_logit * chunk * v / t + 4 * tokens * h + dt.residual * v * h / t + casts
 
 

@@ -95,8 +95,8 @@ class Layout:
                                   "docs/performance.md")
     loss_chunk: int = option(0, "tokens per chunk of the output head and its fp32 cross-entropy, computed chunk by "
                                 "chunk so that the whole logits tensor never exists (forward or backward); 0 "
-                                "computes them whole. The trainer: not yet under tp; `plan search` turns it on "
-                                "where the fastest layout that fits uses it", minimum=0)
+                                "computes them whole; `plan search` turns it on where the fastest layout that "
+                                "fits uses it", minimum=0)
     offload_activations: bool = option(False, "the tensors the transformer blocks save for backward go to (pinned) "
                                               "host memory in forward and come back in backward; the planner prices "
                                               "the host memory and the PCIe traffic")

@@ -62,16 +62,12 @@ def trainer_limits(layout, name: Namer = config_name) -> list[str]:
     """What the trainer cannot run yet, though the planner prices it (another framework runs it):
     compile under tensor parallel — the compiled blocks run forward, but backward fails (torch 2.13,
     CPU; docs/parallel.md). The config refuses it before minutes of compiling; `plan search` never
-    proposes it; `plan estimate` prices it and says so. The chunked loss (`loss_chunk`) under tp: the
-    vocabulary-sharded head's logits would need loss parallel's sharded softmax chunk by chunk."""
+    proposes it; `plan estimate` prices it and says so."""
     limits = []
     if layout.compile and layout.tp > 1:
         limits.append(f"{name('training.compile')} does not yet work with {name('parallel.tp')}={layout.tp}: the "
                       "compiled blocks' backward fails in DTensor's redistribute (a plain gradient where a DTensor "
                       f"is due); use {name('training.compile')}=false or {name('parallel.tp')}=1")
-    if layout.loss_chunk and layout.tp > 1:
-        limits.append(f"{name('training.loss_chunk')}={layout.loss_chunk} runs with data parallelism (DDP, ZeRO "
-                      f"1-3, HSDP), pp and cp for now, not with tp={layout.tp}; use {name('training.loss_chunk')}=0")
     if layout.offload_activations and layout.compile:
         limits.append(f"{name('training.offload_activations')} does not yet work with {name('training.compile')}: "
                       "the offload hooks would run inside the compiled blocks; use one of them")

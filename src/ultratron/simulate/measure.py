@@ -225,7 +225,11 @@ def optimizer_step_bytes(optimizer) -> int:
             if p.grad is None:
                 continue
             q = local(p).detach().requires_grad_(True)
-            q.grad = local(p.grad).detach()
+            grad = local(p.grad).detach()
+            # (under fake tensors an untied head's gradient can come out of loss parallel with another
+            # placement than its parameter's — in a real run it is Shard(0) as the parameter — and the
+            # replay needs only its shape)
+            q.grad = grad if grad.shape == q.shape else torch.empty_like(q)
             states[q] = {k: local(v) if isinstance(v, torch.Tensor) else v for k, v in inner.state.get(p, {}).items()}
             tensors += [q, q.grad, *(v for v in states[q].values() if isinstance(v, torch.Tensor))]
             params.append(q)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
@@ -84,18 +85,49 @@ def linear_cross_entropy(
     number of elements), so each slice of the weight's gradient comes out of one matmul over every
     token — as the whole-logits path computes it, rounded once — and is written where it belongs;
     only the hidden states' gradient adds up over the slices (in fp32). Under autocast the matmuls run
-    in its dtype as they would inside the model."""
+    in its dtype as they would inside the model.
+
+    Tensor parallel (a DTensor head, its rows — the vocabulary — split over the tp ranks, as loss
+    parallel keeps the logits): each rank runs its own rows on every token (the hidden states gathered
+    under sequence parallel); a token's log Z and its target's logit are all-reduced over the ranks
+    (max, then the sum of exponentials; the one rank holding the target gives its logit), and the
+    hidden states' gradient is the sum of the ranks' partial ones."""
+    group, offset = None, 0
+    if isinstance(weight, DTensor):
+        mesh = weight.device_mesh
+        group = mesh.get_group()
+        if isinstance(hidden, DTensor):  # (sequence parallel: every token's row on every rank)
+            hidden = hidden.redistribute(mesh, [Replicate()]).to_local()
+        offset = mesh.get_local_rank() * -(-weight.shape[0] // mesh.size())  # torch's Shard: chunks of ⌈v/tp⌉
+        weight = weight.to_local()
     flat, targets = hidden.flatten(0, -2), targets.flatten()
     device = flat.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     with torch.autocast(device, enabled=False):
-        ce, z = _LinearCrossEntropy.apply(flat, weight, targets, z_loss, chunk if chunk > 0 else flat.shape[0], dtype)
+        ce, z = _LinearCrossEntropy.apply(flat, weight, targets, z_loss, chunk if chunk > 0 else flat.shape[0], dtype,
+                                          group, offset)
     return (ce + z_loss * z, ce) if z_loss > 0 else (ce, ce)
+
+
+def _log_z_and_target(logits: torch.Tensor, targets: torch.Tensor, group, offset: int):
+    """Each row's log-sum-exp and its target's logit (0 for an ignored one), over the rows' whole
+    vocabulary: here, or across the tp ranks holding its parts (`offset`: this rank's first entry)."""
+    local = targets - offset
+    inside = (local >= 0) & (local < logits.shape[1])
+    picked = logits.gather(1, local.clamp(0, logits.shape[1] - 1).unsqueeze(1)).squeeze(1) * inside
+    if group is None:
+        return torch.logsumexp(logits, dim=-1), picked
+    top = logits.max(dim=-1).values
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    total = (logits - top.unsqueeze(1)).exp_().sum(dim=-1)
+    dist.all_reduce(total, group=group)
+    dist.all_reduce(picked, group=group)
+    return total.log_() + top, picked
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, z_loss, chunk, dtype):
+    def forward(ctx, hidden, weight, targets, z_loss, chunk, dtype, group, offset):
         counted = targets != IGNORE
         n = counted.sum().clamp(min=1).float()
         h, w = (hidden, weight) if dtype is None else (hidden.to(dtype), weight.to(dtype))
@@ -104,13 +136,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             logits = F.linear(h[rows], w).float()
-            log_z[rows] = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, targets[rows].clamp(min=0).unsqueeze(1)).squeeze(1)
+            log_z[rows], picked = _log_z_and_target(logits, targets[rows], group, offset)
             ce += ((log_z[rows] - picked) * counted[rows]).sum()
             del logits
         z = (log_z.pow(2) * counted).sum() if z_loss > 0 else torch.zeros_like(ce)
         ctx.save_for_backward(hidden, weight, targets, log_z, n)
-        ctx.chunk, ctx.dtype, ctx.z_loss = chunk, dtype, z_loss
+        ctx.chunk, ctx.dtype, ctx.z_loss, ctx.group, ctx.offset = chunk, dtype, z_loss, group, offset
         return ce / n, z / n
 
     @staticmethod
@@ -129,12 +160,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, vocab, width):
             cols = slice(start, start + width)
             grad = F.linear(h, w[cols]).float().sub_(log_z.unsqueeze(1)).exp_().mul_(scale.unsqueeze(1))
-            inside = (targets >= start) & (targets < start + grad.shape[1])  # (a row elsewhere adds 0)
-            grad.scatter_add_(1, (targets - start).clamp(0, grad.shape[1] - 1).unsqueeze(1),
+            first = ctx.offset + start  # (the slice's first vocabulary entry)
+            inside = (targets >= first) & (targets < first + grad.shape[1])  # (a row elsewhere adds 0)
+            grad.scatter_add_(1, (targets - first).clamp(0, grad.shape[1] - 1).unsqueeze(1),
                               (-hit * inside).unsqueeze(1))
             grad = grad if dtype is None else grad.to(dtype)
             if grad_weight is not None:
                 grad_weight[cols] = grad.t() @ h
             grad_hidden.add_(grad @ w[cols])
             del grad
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
+        if ctx.group is not None:  # each rank's rows gave a part of every token's gradient
+            dist.all_reduce(grad_hidden, group=ctx.group)
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None
