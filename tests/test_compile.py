@@ -1,5 +1,7 @@
 """training.compile: each transformer block compiled, the losses equal to eager's."""
 
+import pytest
+
 from tolerances import KERNELS_LOSS, relative_gap
 from ultratron.config import load_config
 from ultratron.training.metrics import read_metrics
@@ -8,11 +10,12 @@ from ultratron.training.trainer import train
 ONE_LAYER = ["--model.n_layers", "1", "--training.steps", "5", "--eval.interval", "0"]
 
 
-def test_compiled_blocks_train_like_eager(tiny_overrides, tmp_path):
+@pytest.mark.parametrize("loss_chunk", ["0", "100"])  # (100: the chunked loss after compiled blocks)
+def test_compiled_blocks_train_like_eager(tiny_overrides, tmp_path, loss_chunk):
     losses = {}
     for mode in ("false", "true"):
-        cfg = load_config(None, tiny_overrides + ONE_LAYER + ["--training.compile", mode,
-                                                              "--run.dir", str(tmp_path / mode)])
+        cfg = load_config(None, tiny_overrides + ONE_LAYER + ["--training.compile", mode, "--training.loss_chunk",
+                                                              loss_chunk, "--run.dir", str(tmp_path / mode)])
         result = train(cfg, echo=False)
         assert result.steps_done == 5
         losses[mode] = [r["loss"] for r in read_metrics(cfg.run.dir) if "loss" in r]
