@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass, field
 
 from ultratron.planning.experts import is_moe, moe_layer_share
-from ultratron.planning.rules import field_of
+from ultratron.planning.rules import field_of, reduces_every_micro_batch
 
 BUCKET_BYTES = 25e6  # DDP's default bucket_cap_mb (torch.nn.parallel.DistributedDataParallel)
 
@@ -219,18 +219,14 @@ def _data_parallel(shape, layout, memory, net: Network) -> list[Collective]:
         out.append(_collective(net, "dp", "all-gather", "parameters per block, forward" +
                                (" and backward (ZeRO-3)" if gathers == 2 else ""), block,
                                m * layers * gathers, shard, t, COMPUTE, m))
-        piped = layout.pp > 1
-        if layout.zero == 3 and not piped and m > 1:  # every micro-batch's, behind its backward
-            out.append(_collective(net, "dp", "reduce-scatter", "fp32 gradients per block, every backward (ZeRO-3)",
-                                   grads / layers, m * layers, shard, t, COMPUTE, m))
-        else:
-            out.append(_collective(net, "dp", "reduce-scatter", "fp32 gradients per block, "
-                                   + ("after the pipeline schedule" if piped else "last backward"), grads / layers,
-                                   layers, shard, t, EXPOSED if piped else LAST_BACKWARD, 0 if piped else 1))
+        reductions = m if reduces_every_micro_batch(layout) else 1  # (each behind its micro-batch's backward)
+        when, hidden_by, unhidden = ("every backward (ZeRO-3)", COMPUTE, m) if reductions > 1 else \
+            ("after the pipeline schedule", EXPOSED, 0) if layout.pp > 1 else ("last backward", LAST_BACKWARD, 1)
+        out.append(_collective(net, "dp", "reduce-scatter", f"fp32 gradients per block, {when}", grads / layers,
+                               reductions * layers, shard, t, hidden_by, unhidden))
         if replicas > 1:
-            every = m if layout.zero == 3 and not piped else 1
             out.append(_collective(net, "dp", "all-reduce", "HSDP: the gradient shard across replicas", grads / shard,
-                                   every, replicas, t * shard))
+                                   reductions, replicas, t * shard))
     if experts:  # split experts stay on their ranks: their gradients are all-reduced over the others holding them
         holders = max(group // layout.ep, 1)
         out.append(_collective(net, "dp", "all-reduce", "expert gradients over the ranks holding the same experts",

@@ -93,7 +93,7 @@ from ultratron.planning.layout import Layout, check_layout
 from ultratron.planning.lora import adapter_params_per_layer
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import peak_in_flight, rank_stages, stage_ranks, stage_split
-from ultratron.planning.rules import field_of, head_dim_of
+from ultratron.planning.rules import field_of, head_dim_of, reduces_every_micro_batch
 
 GiB = 1024**3
 __all__ = ["ACTIVATION_MODELS", "RECOMPUTE", "GiB", "MemoryBreakdown", "estimate_memory", "estimate_memory_per_rank",
@@ -280,7 +280,7 @@ def _static(layout: Layout) -> _Static:
         # gradient sync is off but on a step's last micro-batch (the data axis' no-sync, or the
         # stages'), so FSDP2 accumulates each unsharded gradient, in fp32 (its reduce dtype), until then;
         # but ZeRO-3 without pp reduce-scatters every micro-batch and adds up the sharded gradients
-        every_micro = layout.zero == 3 and layout.pp == 1
+        every_micro = reduces_every_micro_batch(layout)
         accumulated = 4.0 if n > 1 and (layout.grad_accum > 1 or layout.pp > 1) and not every_micro else 0.0
         # the trainer zeroes gradients to None; FSDP2 makes the sharded ones in the last micro-batch's
         # reduce-scatter, after backward's peak (unsharded, its gradients are the accumulated ones).

@@ -87,6 +87,13 @@ def data_parallel_wrapper(dp: int, zero: int, tp: int = 1, pp: int = 1, dp_repli
     return "replicate" if pp > 1 else "ddp"
 
 
+def reduces_every_micro_batch(layout) -> bool:
+    """ZeRO-3 without pp reduce-scatters each micro-batch's gradients and adds up the shards
+    (`parallel/data.py`, `DataAxis.micro_batch_context`); every other data-parallel layout reduces
+    once a step, on the last micro-batch (torch's stages: after the schedule)."""
+    return layout.zero == 3 and layout.pp == 1
+
+
 def shape_problems(shape, name: Namer = config_name) -> list[str]:
     """Heads must divide the width (unless the head width is given), with an even head dimension;
     kv heads must divide heads; a mixture of experts needs 1 ≤ top-k ≤ experts and a MoE layer."""

@@ -376,10 +376,11 @@ def _evaluate(spec: SearchSpec, keep=None):
             too_big += 1
             if closest is None or memory.peak_bytes < closest[0]:
                 closest = (memory.peak_bytes, layout, memory)
+            # the nearest to fitting among those using each option: the least over the device's and the
+            # host's limits, in bytes
+            over = max(memory.peak_bytes - spec.usable_bytes, 0.0) + \
+                max(memory.host_activations - spec.accelerator.host_memory_bytes, 0.0)
             for option in OPTIONS:
-                # the nearest to fitting: the least over the device's and the host's limits, in bytes
-                over = max(memory.peak_bytes - spec.usable_bytes, 0.0) + \
-                    max(memory.host_activations - spec.accelerator.host_memory_bytes, 0.0)
                 if getattr(layout, option) and (option not in closest_with or over < closest_with[option][0]):
                     closest_with[option] = (over, layout, memory)
             continue
