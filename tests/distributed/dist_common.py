@@ -43,8 +43,6 @@ BATCH = ["--training.batch_tokens", "1024", "--training.steps", str(STEPS), "--o
          "--training.grad_clip", str(CLIP), "--eval.interval", str(STEPS), "--eval.batches", "2"]
 
 
-
-
 def records(run_dir) -> list[dict]:
     return [r for r in read_metrics(run_dir) if "loss" in r]
 
