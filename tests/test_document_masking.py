@@ -14,6 +14,7 @@ import torch
 from ultratron.data.loader import batch_of
 from ultratron.models.llama import Llama, LlamaArgs
 from ultratron.models.llama.model import document_layout
+from ultratron.models.masks import MaskSpec
 
 LENGTHS = [7, 13, 1, 20, 23]  # packed into one row of 64 (a one-token document too)
 
@@ -138,5 +139,5 @@ def test_documents_that_do_not_fit_the_tokens_are_refused():
     attention = ContextParallelAttention(None, 0, 2, "ring")
     attention.active = True
     q = torch.zeros(2, 4, 32, 16)
-    with pytest.raises(ValueError, match="a column for each of the sequence's 64 keys"):
-        attention(q, q, q, document_layout(documents)[1][:, :, :32, :32], 1)
+    with pytest.raises(ValueError, match="must cover each of the sequence's 64 keys"):
+        attention(q, q, q, MaskSpec(documents=documents[:, :32]), 1)

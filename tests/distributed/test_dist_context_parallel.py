@@ -1,10 +1,13 @@
 """Context parallelism: attention across cp ranks equals the attention of the whole sequence,
-forward and backward, causal and document-masked.
+forward and backward, causal, document-masked and through a sliding window.
 
 Both ways of reaching the other ranks' keys and values (the ring, and Llama 3's all-gather), at cp 2
 and 4 with the causal balance (each rank holds chunks r and 2·cp−1−r of 2·cp): multi-head and
 grouped-query attention, causal, and grouped-query within packed documents (some ending inside a
-chunk, some on a chunk boundary, so that whole blocks and single query rows of a block see no key).
+chunk, some on a chunk boundary, so that whole blocks and single query rows of a block see no key),
+through a sliding window of 12 (ending inside chunks, so that some blocks are hidden wholly), and
+both. The reference is the whole dense mask in one process (`attention.reference_attention`); the
+blocks build theirs from the same `MaskSpec` (the model's).
 In fp32 the output and the q, k, v gradients of every shard, put back in sequence order, are within
 1e-6 (relative to the largest value of each tensor: fp32 rounds at 6e-8) of PyTorch's fused
 attention on the whole sequence in one process (measured ≤ 3.8e-7). And a model under cp2 on packed
@@ -32,7 +35,7 @@ def errors(tmp_path_factory) -> dict:
 
 
 CASES = [f"cp{cp}-{mode}-{heads}" for cp in (2, 4) for mode in ("ring", "allgather")
-         for heads in ("mha", "gqa", "gqa-documents")]
+         for heads in ("mha", "gqa", "gqa-documents", "gqa-window", "gqa-documents-window")]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -40,11 +40,16 @@ here (sort the token slots by expert, one matmul chain per expert, weighted sum 
 parallelism (`ultratron.parallel.expert`) swaps in one that sends the slots to the rank
 holding their expert with all-to-all and back; the model never knows.
 
-Routing's data reaches the host in one place: `counts_on_host`, the slots per expert as Python
-ints, by which a dispatch splits its rows (and expert parallelism its all-to-all). Everything else
-has shapes known without the data (the counts are a scatter-add, not `bincount`, whose length
-depends on the largest index), so `ultratron simulate`, which runs the step on fake tensors
-without values, puts balanced counts in `counts_on_host`'s place and nothing else changes.
+Routing's data stays on the device: the experts' rows are sorted on the device and run through
+grouped matmuls that take each expert's rows from a device tensor of counts (`grouped_swiglu`), and
+dropped slots are sorted last and masked, so no layer waits for the host to learn how many rows an
+expert got. Where routing's data must reach the host, it does in one place, `counts_on_host`, the
+slots per expert as Python ints: expert parallelism's all-to-all takes its split sizes as Python
+ints (one read per layer: the next layer's routing depends on this one's output, so the reads cannot
+be gathered into one per step), and fp32 on a GPU, where the grouped matmul does not run. The
+counts are a scatter-add, not `bincount`, whose length depends on the largest index, so every shape
+is known without the data: `ultratron simulate`, which runs the step on fake tensors without values,
+puts balanced counts in `counts_on_host`'s place and nothing else changes.
 """
 
 from __future__ import annotations
@@ -54,17 +59,43 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 
-def grouped_swiglu(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor | list[int], w1: torch.Tensor, w2: torch.Tensor,
                    w3: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of each expert on its rows: x (N, dim) holds counts[e] rows for expert e in order;
-    w1, w3 (E, hidden, dim), w2 (E, dim, hidden)."""
+    """SwiGLU of each expert on its rows: x (N, dim) holds counts[e] rows for expert e in order (rows
+    past the last expert's, dropped slots, come out zero); w1, w3 (E, hidden, dim), w2 (E, dim, hidden).
+    `counts` a tensor on x's device: grouped matmuls (`torch._grouped_mm`) that take the rows'
+    boundaries from the device, so the host never waits for routing's data; as Python ints (expert
+    parallel has them on the host anyway): the same. Where the grouped matmul does not run (fp32 off a
+    CPU: a GPU's kernel, and the fake one of `ultratron simulate`, take bf16 only), one matmul chain
+    per expert, with the counts read to the host once."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    if dtype != torch.bfloat16 and (x.device.type != "cpu" or is_fake(x)):  # (a GPU's kernel takes bf16 only)
+        return _swiglu_per_expert(x, counts_on_host(counts, x.shape[0]) if torch.is_tensor(counts) else counts,
+                                  w1, w2, w3)
+    if not torch.is_tensor(counts):
+        counts = torch.tensor(counts, dtype=torch.long).to(x.device, non_blocking=True)
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    # a grouped matmul leaves the rows past the last group unwritten, in its output and in its input's
+    # gradient: they are zeroed both ways (`where`), so a dropped slot adds nothing, nor to its token
+    routed = (torch.arange(x.shape[0], device=x.device) < offsets[-1]).unsqueeze(-1)
+    x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))  # (autocast does not cast a grouped matmul)
+    x = torch.where(routed, x, 0)
+    hidden = F.silu(torch._grouped_mm(x, w1.transpose(1, 2), offs=offsets)) * torch._grouped_mm(
+        x, w3.transpose(1, 2), offs=offsets)
+    return torch.where(routed, torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets), 0)
+
+
+def _swiglu_per_expert(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
+                       w3: torch.Tensor) -> torch.Tensor:
     outs = []
-    for e, rows in enumerate(x.split(counts)):
+    for e, rows in enumerate(x[:sum(counts)].split(counts)):
         if rows.shape[0]:
             outs.append((F.silu(rows @ w1[e].t()) * (rows @ w3[e].t())) @ w2[e].t())
-    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+    out = torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+    return torch.cat([out, out.new_zeros(x.shape[0] - out.shape[0], out.shape[1])])
 
 
 class GroupedExperts(nn.Module):
@@ -80,7 +111,7 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
         return grouped_swiglu(x, counts, self.w1, self.w2, self.w3)
 
 
@@ -100,23 +131,26 @@ def counts_on_host(counts: torch.Tensor, routed: int) -> list[int]:
 
 
 def sort_by_expert(choice: torch.Tensor, keep: torch.Tensor | None, n_experts: int):
-    """(token index of each kept slot in expert order, the order over the flat slots, rows per expert
-    as a tensor and on the host). choice (T, k) → T·k slots, slot s = token s // k."""
+    """(token index of each slot in expert order, the order over the flat slots, rows per expert as
+    a tensor). Dropped slots sort after every expert's (`grouped_swiglu` gives them zero rows).
+    choice (T, k) → T·k slots, slot s = token s // k. Nothing is read to the host."""
     flat = choice.flatten()
     if keep is not None:
-        flat = flat.masked_fill(~keep.flatten(), n_experts)  # dropped slots sort after every expert's
-    counts = count_slots(flat, n_experts)
-    sizes = counts_on_host(counts, flat.numel())
-    order = torch.argsort(flat, stable=True)[:sum(sizes)]
-    return order // choice.shape[1], order, counts, sizes
+        flat = flat.masked_fill(~keep.flatten(), n_experts)
+    order = torch.argsort(flat, stable=True)
+    return order // choice.shape[1], order, count_slots(flat, n_experts)
 
 
 def local_dispatch(tokens: torch.Tensor, choice: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None,
                    experts: GroupedExperts) -> torch.Tensor:
     """Every expert on this process: each kept slot's token through its expert, weighted, summed."""
-    token, slot, _, sizes = sort_by_expert(choice, keep, experts.n_experts)
-    out = experts(tokens[token], sizes)
-    out = out * weights.flatten()[slot].unsqueeze(-1).to(out.dtype)
+    token, slot, counts = sort_by_expert(choice, keep, experts.n_experts)
+    return combine(tokens, experts(tokens[token], counts), token, weights.flatten()[slot])
+
+
+def combine(tokens: torch.Tensor, out: torch.Tensor, token: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The experts' rows, each weighted, summed back onto its token."""
+    out = out * weight.unsqueeze(-1).to(out.dtype)
     return torch.zeros_like(tokens).index_add(0, token, out.to(tokens.dtype))
 
 

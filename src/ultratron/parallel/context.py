@@ -18,20 +18,21 @@ values, in one of two ways (`parallel.cp_attention`):
              simple, and cheap while GQA keeps K/V small), attend to the causal prefix of each
              local chunk; backward sums the K/V gradients over the ranks.
 
-Either way the kernel is PyTorch's own fused attention on a block, which returns the log-sum-exp
-and has a backward that takes the merged output and lse (so each block's gradient is exact):
-`_scaled_dot_product_flash_attention_for_cpu` on CPU, the memory-efficient kernel on CUDA (it
-takes fp32 as well as bf16). PyTorch's `context_parallel` has no CPU sharding rule for the CPU
-kernel, hence this module. Grouped-query heads are repeated per block for the kernel and their
-gradients summed back; K/V travel unrepeated.
+Either way each block runs through the model's attention backend (`models/attention.py`:
+`block_forward`, `block_backward`), which returns the log-sum-exp and has a backward that takes the
+merged output and lse (so each block's gradient is exact): the CPU flash kernel on a CPU,
+FlexAttention on a GPU. PyTorch's `context_parallel` has no CPU sharding rule for the CPU kernel,
+hence this module. Grouped-query heads are repeated per block for the kernel and their gradients
+summed back; K/V travel unrepeated.
 
-Under document masking (packed documents that must not see each other) the shard keeps the whole
-micro-batch's document numbers, which every rank holds already: the model builds from them each
-local query's mask row over every key of the sequence and the tokens' positions within their
-documents, and each block takes its piece of that mask (the CPU kernel as an additive −inf bias;
-the CUDA path is not wired yet and refuses). A block the documents hide wholly is skipped; a query
-row that sees no key of a block gets lse −inf from it, which the merge treats as no contribution
-(and whose backward gives it no gradient), so no nan appears.
+The mask is the model's `MaskSpec` (`models/masks.py`), as one process takes it: under document
+masking the shard keeps the whole micro-batch's document numbers (every rank holds them already),
+and a sliding window is a number; each block builds its own dense mask from its queries' and keys'
+positions in the sequence (a block's size, never the sequence's square). A block the mask hides
+wholly (other documents, or beyond the window) is skipped; a query row that sees no key of a block
+gets lse −inf from it, which the merge treats as no contribution (and whose backward gives it no
+gradient), so no nan appears. Soft-capped scores run on a GPU only (FlexAttention; the CPU kernel
+has none).
 
 The attention function is swapped into the model from outside (`ParallelPlan.set_attention`); it
 runs across the ranks only inside the axis' step context — the training step and validation, whose
@@ -53,6 +54,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ultratron.data.loader import IGNORE
+from ultratron.models.attention import block_backward, block_forward
+from ultratron.models.masks import MaskSpec, allowed
 from ultratron.models.plan import ParallelPlan
 from ultratron.parallel.axis import Axis, MicroBatch
 from ultratron.parallel.dims import ParallelDims
@@ -84,67 +87,14 @@ def unshard_sequence(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return torch.cat(chunks, dim=dim)
 
 
-# ---- one block of attention, with its log-sum-exp --------------------------------------------
+# ---- one block of attention, with its log-sum-exp: the attention backend's kernels -----------
 
-def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
-    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
-
-
-def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """Sum the gradients of repeated kv heads back onto their kv head."""
-    if groups == 1:
-        return t
-    b, h, s, d = t.shape
-    return t.view(b, h // groups, groups, s, d).sum(2)
-
-
-def _bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A boolean mask (True: attend) as the kernels take it: 0 where allowed, -inf elsewhere."""
-    if mask is None:
+def _block_mask(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, rows: slice, keys: slice):
+    """The dense mask of one block (its query rows × its keys, never the whole sequence), or None where
+    only causality masks (the kernels' causal flag and the ring's block order handle that)."""
+    if spec.documents is None and not spec.window:
         return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-
-
-def _no_cuda_mask(q: torch.Tensor, mask: torch.Tensor | None) -> None:
-    if mask is not None and q.device.type != "cpu":
-        raise NotImplementedError("document masking under context parallel runs on CPU only so far: the CUDA "
-                                  "kernel's attention bias is not wired in; use cp=1 or data.document_masking=off")
-
-
-def block_forward(q, k, v, causal: bool, groups: int, mask: torch.Tensor | None = None):
-    """(output, lse) of q attending to one block of keys/values; lse (batch, heads, q_len) fp32.
-    `mask` (batch, 1, q_len, k_len), True where a query may attend a key: a row that may attend
-    none gets output 0 and lse -inf, so that merging it changes nothing."""
-    k, v = _repeat(k, groups), _repeat(v, groups)
-    _no_cuda_mask(q, mask)
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
-                                                                               attn_mask=_bias(mask, q.dtype))
-        lse = lse.float()
-        if mask is not None:  # the kernel leaves lse 0 (and output 0) on a row that sees no key
-            lse = lse.masked_fill(~mask.any(-1), float("-inf"))
-        return out, lse
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
-    return out, lse[..., :q.shape[2]].float()
-
-
-def block_backward(dout, q, k, v, out, lse, causal: bool, groups: int, mask: torch.Tensor | None = None):
-    """(dq, dk, dv) of one block, given the merged output and lse of the whole attention (finite:
-    every query attends at least to itself, so a masked key's probability exp(-inf − lse) is 0)."""
-    kr, vr = _repeat(k, groups), _repeat(v, groups)
-    out = out.to(q.dtype)
-    _no_cuda_mask(q, mask)
-    if q.device.type == "cpu":
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.to(q.dtype), q, kr, vr, out, lse.contiguous(), 0.0, causal, attn_mask=_bias(mask, q.dtype))
-    else:
-        pad = -lse.shape[-1] % 32  # the efficient kernel's lse rows come in blocks of 32
-        lse = torch.nn.functional.pad(lse, (0, pad)).contiguous()
-        empty = torch.empty(0, device=q.device, dtype=torch.int64)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout.to(q.dtype).contiguous(), q, kr, vr, torch.empty(0, device=q.device), out, lse, empty, empty, 0.0,
-            [True, True, True, False], causal)
-    return dq.float(), _fold(dk, groups).float(), _fold(dv, groups).float()
+    return allowed(spec, q_pos[rows][None], k_pos[keys])
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
@@ -190,25 +140,16 @@ def _ring_block(step: int, source: int, rank: int, c: int) -> tuple[slice, slice
     return slice(c, None), slice(None), False  # both its chunks precede our second chunk and follow our first
 
 
-def _shard_columns(mask: torch.Tensor | None, cp: int, source: int) -> torch.Tensor | None:
-    """The mask's columns (every key of the sequence, in order) of the keys `source` holds."""
-    return None if mask is None else shard_sequence(mask, cp, source, dim=3)
-
-
-def _block_mask(mask: torch.Tensor | None, rows: slice, keys: slice) -> torch.Tensor | None:
-    return None if mask is None else mask[:, :, rows, keys]
-
-
 def _seen(mask: torch.Tensor | None) -> bool:
     """Whether a block has a key some query may attend (a block the documents hide wholly is skipped)."""
     return mask is None or bool(mask.any())
 
 
-def _attend_block(out, lse, q, kv, rows: slice, keys: slice, causal: bool, groups: int, mask):
+def _attend_block(out, lse, q, kv, rows: slice, keys: slice, causal: bool, groups: int, mask, softcap: float):
     """Merge the attention of q's `rows` to kv's (K and V stacked) `keys` into out and lse."""
     if not _seen(mask):
         return out, lse
-    part = block_forward(q[:, :, rows], kv[0, :, :, keys], kv[1, :, :, keys], causal, groups, mask)
+    part = block_forward(q[:, :, rows], kv[0, :, :, keys], kv[1, :, :, keys], causal, groups, mask, softcap)
     if rows == slice(None):
         return merge(out, lse, *part)
     out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], *part)
@@ -216,12 +157,12 @@ def _attend_block(out, lse, q, kv, rows: slice, keys: slice, causal: bool, group
 
 
 def _block_gradients(dq, dkv, dout, q, kv, out, lse, rows: slice, keys: slice, causal: bool, groups: int,
-                     mask) -> None:
+                     mask, softcap: float) -> None:
     """Add that block's gradients: its query rows' into dq, its keys' and values' into dkv."""
     if not _seen(mask):
         return
     g = block_backward(dout[:, :, rows], q[:, :, rows], kv[0, :, :, keys], kv[1, :, :, keys], out[:, :, rows],
-                       lse[:, :, rows], causal, groups, mask)
+                       lse[:, :, rows], causal, groups, mask, softcap)
     dq[:, :, rows] += g[0]
     dkv[0, :, :, keys] += g[1]
     dkv[1, :, :, keys] += g[2]
@@ -229,8 +170,9 @@ def _block_gradients(dq, dkv, dout, q, kv, out, lse, rows: slice, keys: slice, c
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, groups: int, group, rank: int, cp: int):
-        c = q.shape[2] // 2
+    def forward(ctx, q, k, v, spec: MaskSpec, groups: int, group, rank: int, cp: int):
+        c, seq = q.shape[2] // 2, q.shape[2] * cp
+        mine = shard_positions(seq, cp, rank, q.device)
         out, lse = _empty_output(q)
         kv = torch.stack([k, v])
         for step in range(cp):
@@ -238,20 +180,21 @@ class _Ring(torch.autograd.Function):
                 incoming, requests = _exchange(kv, group, rank, cp)
             source = (rank - step) % cp
             rows, keys, causal = _ring_block(step, source, rank, c)
-            block_mask = _block_mask(_shard_columns(mask, cp, source), rows, keys)
-            out, lse = _attend_block(out, lse, q, kv, rows, keys, causal, groups, block_mask)
+            block_mask = _block_mask(spec, mine, shard_positions(seq, cp, source, q.device), rows, keys)
+            out, lse = _attend_block(out, lse, q, kv, rows, keys, causal, groups, block_mask, spec.softcap)
             if step < cp - 1:
                 _wait(requests)
                 kv = incoming
-        ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.groups, ctx.group, ctx.rank, ctx.cp = groups, group, rank, cp
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec, ctx.groups, ctx.group, ctx.rank, ctx.cp = spec, groups, group, rank, cp
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        groups, group, rank, cp = ctx.groups, ctx.group, ctx.rank, ctx.cp
-        c = q.shape[2] // 2
+        q, k, v, out, lse = ctx.saved_tensors
+        spec, groups, group, rank, cp = ctx.spec, ctx.groups, ctx.group, ctx.rank, ctx.cp
+        c, seq = q.shape[2] // 2, q.shape[2] * cp
+        mine = shard_positions(seq, cp, rank, q.device)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its block
@@ -260,8 +203,8 @@ class _Ring(torch.autograd.Function):
                 incoming, requests = _exchange(kv, group, rank, cp)
             source = (rank - step) % cp
             rows, keys, causal = _ring_block(step, source, rank, c)
-            block_mask = _block_mask(_shard_columns(mask, cp, source), rows, keys)
-            _block_gradients(dq, dkv, dout, q, kv, out, lse, rows, keys, causal, groups, block_mask)
+            block_mask = _block_mask(spec, mine, shard_positions(seq, cp, source, q.device), rows, keys)
+            _block_gradients(dq, dkv, dout, q, kv, out, lse, rows, keys, causal, groups, block_mask, spec.softcap)
             dkv, dkv_requests = _exchange(dkv, group, rank, cp, tag=1)  # on to the next rank; the last hop: home
             _wait(dkv_requests)
             if step < cp - 1:
@@ -282,24 +225,28 @@ def _allgather_blocks(rank: int, cp: int, c: int):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, groups: int, group, rank: int, cp: int):
+    def forward(ctx, q, k, v, spec: MaskSpec, groups: int, group, rank: int, cp: int):
         full = _gather_natural(torch.stack([k, v]), group, cp)  # (2, b, kv heads, seq, d) in sequence order
+        mine, every = shard_positions(full.shape[3], cp, rank, q.device), torch.arange(full.shape[3], device=q.device)
         out, lse = _empty_output(q)
         for rows, keys, causal in _allgather_blocks(rank, cp, q.shape[2] // 2):
-            out, lse = _attend_block(out, lse, q, full, rows, keys, causal, groups, _block_mask(mask, rows, keys))
-        ctx.save_for_backward(q, full, out, lse, mask)
-        ctx.groups, ctx.group, ctx.rank, ctx.cp = groups, group, rank, cp
+            block_mask = _block_mask(spec, mine, every, rows, keys)
+            out, lse = _attend_block(out, lse, q, full, rows, keys, causal, groups, block_mask, spec.softcap)
+        ctx.save_for_backward(q, full, out, lse)
+        ctx.spec, ctx.groups, ctx.group, ctx.rank, ctx.cp = spec, groups, group, rank, cp
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, full, out, lse, mask = ctx.saved_tensors
-        groups, group, rank, cp = ctx.groups, ctx.group, ctx.rank, ctx.cp
+        q, full, out, lse = ctx.saved_tensors
+        spec, groups, group, rank, cp = ctx.spec, ctx.groups, ctx.group, ctx.rank, ctx.cp
+        mine, every = shard_positions(full.shape[3], cp, rank, q.device), torch.arange(full.shape[3], device=q.device)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dfull = torch.zeros(full.shape, dtype=torch.float32, device=q.device)
         for rows, keys, causal in _allgather_blocks(rank, cp, q.shape[2] // 2):
-            block_mask = _block_mask(mask, rows, keys)
-            _block_gradients(dq, dfull, dout, q, full, out, lse, rows, keys, causal, groups, block_mask)
+            block_mask = _block_mask(spec, mine, every, rows, keys)
+            _block_gradients(dq, dfull, dout, q, full, out, lse, rows, keys, causal, groups, block_mask,
+                             spec.softcap)
         dist.all_reduce(dfull, group=group)  # every rank's queries' share of each key and value
         mine = shard_sequence(dfull, cp, rank, dim=3)
         return dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None, None, None, None, None
@@ -322,21 +269,22 @@ class ContextParallelAttention:
         self.group, self.rank, self.cp, self.mode, self.local = group, rank, cp, mode, local
         self.active = False
 
-    def __call__(self, q, k, v, mask, groups: int) -> torch.Tensor:
-        """`mask` (under document masking; None: causal) has a row for each local query and a column
-        for each key of the whole sequence, in sequence order (`models.llama.model.document_layout`)."""
+    def __call__(self, q, k, v, spec: MaskSpec | None, groups: int) -> torch.Tensor:
+        """`spec` (None: causal): the model's mask; its documents (under document masking) cover the
+        whole sequence, every key of it in sequence order, and this rank's queries are its shard."""
         if not self.active:
-            return self.local(q, k, v, mask, groups)
-        if mask is not None and mask.shape[-2:] != (q.shape[2], q.shape[2] * self.cp):
-            raise ValueError(f"context-parallel attention: a mask of {tuple(mask.shape[-2:])} (queries, keys) for "
-                             f"{q.shape[2]} local queries; it needs a column for each of the sequence's "
+            return self.local(q, k, v, spec, groups)
+        spec = spec or MaskSpec()
+        if spec.documents is not None and spec.documents.shape[1] != q.shape[2] * self.cp:
+            raise ValueError(f"context-parallel attention: documents of {spec.documents.shape[1]} tokens for "
+                             f"{q.shape[2]} local queries; they must cover each of the sequence's "
                              f"{q.shape[2] * self.cp} keys")
         dtype = q.dtype
-        if q.device.type == "cpu" and dtype == torch.bfloat16:  # as sdpa_attention: fp32 on CPU
+        if q.device.type == "cpu" and dtype == torch.bfloat16:  # as models/attention.py: fp32 on CPU
             q, k, v = q.float(), k.float(), v.float()
         with torch.autocast(q.device.type, enabled=False):
             fn = _Ring if self.mode == "ring" else _AllGather
-            return fn.apply(q, k, v, mask, groups, self.group, self.rank, self.cp).to(dtype)
+            return fn.apply(q, k, v, spec, groups, self.group, self.rank, self.cp).to(dtype)
 
 
 # ---- the axis ---------------------------------------------------------------------------------

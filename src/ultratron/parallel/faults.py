@@ -12,8 +12,12 @@ every rank leaves a record of its last collectives for `ultratron doctor`.
   leaves; a rank whose collective then broke reads it and names that rank in its one error line,
   instead of a socket address. A rank that was killed or hangs reports nothing: then the error
   says so and points at the flight records.
-- Leaving. After a failure each rank destroys its process groups (bounded: a group waiting on a
+- Leaving. After a failure each rank aborts its process groups (bounded: a group waiting on a
   dead peer is left to the exiting process), so no gloo thread outlives the failure.
+- Under NCCL a collective's timeout is seen by the watchdog thread, which dumps the flight record
+  to RUN_DIR/flight/nccl-rank-N and ends the process (`process_group_env`): that rank's Python
+  never resumes, so the record, not an error line, is its report; a rank whose own code failed
+  still reports in Python first (`ParallelDims.fail`), so `ultratron doctor` names it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ultratron.errors import UserError
-from ultratron.parallel.hangs import FLIGHT_DIR
+from ultratron.parallel.hangs import FLIGHT_DIR, NCCL_DUMP_PREFIX
 
 RECORDS = 2000  # collectives kept per rank: a few steps of the largest layouts
 _KEY = "ultratron/failed/"
@@ -41,9 +45,37 @@ class DistributedError(UserError):
     """A collective that could not finish because another rank failed, was killed or hangs."""
 
 
-def enable_flight_recorder() -> None:
-    """Before the process group is created: PyTorch's flight recorder on (unless set otherwise)."""
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(RECORDS))
+def process_group_env(device_type: str, run_dir: str | Path | None = None) -> dict[str, str]:
+    """What torch's process group reads from the environment when it is created, for a group on
+    `device_type`: the flight recorder (gloo and nccl) and, under NCCL, how its watchdog handles a
+    collective that timed out or failed. NCCL runs collectives on the GPU's streams, so a timeout is
+    seen by the watchdog thread, not by Python: with TORCH_NCCL_ASYNC_ERROR_HANDLING 3 it takes the
+    process down (without waiting on communicators that may hang), after dumping the flight record
+    to RUN_DIR/flight/nccl-rank-N (TORCH_NCCL_DUMP_ON_TIMEOUT), which `ultratron doctor` reads
+    beside the records Python writes (`parallel/hangs.py`)."""
+    env = {"TORCH_FR_BUFFER_SIZE": str(RECORDS)}
+    if device_type == "cuda":
+        env |= {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZE": str(RECORDS),
+                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+        if run_dir is not None:  # (torch appends the rank)
+            env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(Path(run_dir) / FLIGHT_DIR / NCCL_DUMP_PREFIX)
+    return env
+
+
+_SET_HERE: dict[str, str] = {}  # what enable_flight_recorder set (a later run in the process sets its own)
+
+
+def enable_flight_recorder(device_type: str = "cpu", run_dir: str | Path | None = None) -> dict[str, str]:
+    """Before the process group is created: `process_group_env` set where the user has not set it
+    otherwise (their value wins); returns the values in effect."""
+    applied = {}
+    for name, value in process_group_env(device_type, run_dir).items():
+        if os.environ.get(name, _SET_HERE.get(name)) == _SET_HERE.get(name):  # unset, or set by an earlier run
+            os.environ[name] = _SET_HERE[name] = value
+        applied[name] = os.environ[name]
+    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" in applied:
+        Path(applied["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
+    return applied
 
 
 def flight_record() -> dict | None:
@@ -209,11 +241,12 @@ def reported_failures(world_size: int, run_dir: str | Path, since: float, wait: 
 
 
 def leave_after_failure(wait: float = 10.0) -> None:
-    """Destroy every process group, giving up after `wait` s (a group stuck on a dead peer is left
-    to the exiting process)."""
+    """Abort every process group, giving up after `wait` s. Abort, not destroy: destroying waits for
+    the group's pending work, which after a failure may wait on a peer that is gone (an NCCL
+    communicator then hangs), while aborting drops it and frees the communicators (gloo's too)."""
     if not dist.is_initialized():
         return
-    done = threading.Thread(target=dist.destroy_process_group, name="ultratron-leave", daemon=True)
+    done = threading.Thread(target=dist.distributed_c10d._abort_process_group, name="ultratron-leave", daemon=True)
     done.start()
     done.join(wait)
 

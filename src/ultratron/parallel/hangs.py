@@ -1,6 +1,7 @@
 """Read the flight records a failed or hung job left in RUN_DIR/flight (parallel/faults.py) and say,
 one line per finding, which ranks are behind, in which collective, and which rank never arrived.
-Plain JSON, no torch: `ultratron doctor` starts at once.
+Plain JSON (and the NCCL watchdog's
+pickled dumps, read as plain values only), no torch: `ultratron doctor` starts at once.
 
 A record holds a rank's last collectives per process group, each with its sequence number in that
 group, its op and sizes and when the rank entered it. The ranks of a group call its collectives in
@@ -15,10 +16,12 @@ A rank with no record at all was killed before it could write one.
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
 FLIGHT_DIR = "flight"
+NCCL_DUMP_PREFIX = "nccl-rank-"  # the NCCL watchdog's own dumps on a timeout: nccl-rank-N (pickled)
 
 
 @dataclass(frozen=True)
@@ -45,22 +48,68 @@ class Record:
     entries: list[Entry]
 
 
+def _entries(flight: dict | None) -> list[Entry]:
+    entries = []
+    for e in ((flight or {}).get("entries") or []):
+        if e.get("is_p2p"):
+            continue  # point-to-point sends and receives are numbered apart; collectives tell the order
+        name, desc = (list(e.get("process_group") or ["?", ""]) + [""])[:2]
+        entries.append(Entry(str(name), str(desc), int(e["collective_seq_id"]), str(e.get("profiling_name", "?")),
+                             list(e.get("input_sizes") or []), int(e.get("time_created_ns", 0)) / 1e9))
+    return entries
+
+
+class _PlainValues(pickle.Unpickler):
+    """A flight record as the NCCL watchdog pickles it holds dicts, lists, strings and numbers only:
+    anything else (a class to import, code to run) is refused, not loaded."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"{module}.{name}: a flight record holds plain values only")
+
+
+def _nccl_world(flight: dict) -> int:
+    """The default group's size, from the dump's process-group table (0 when it does not say)."""
+    for group in (flight.get("pg_config") or {}).values():
+        if isinstance(group, dict) and group.get("desc") == "default_pg":
+            try:
+                return len(json.loads(group.get("ranks", "[]")))
+            except ValueError:
+                return 0
+    return 0
+
+
+def _nccl_record(path: Path) -> Record | None:
+    """The record the NCCL watchdog dumped when a collective timed out (`parallel/faults.py`); the
+    process ended right after, so the file's time is when the rank gave up."""
+    try:
+        with open(path, "rb") as fh:
+            flight = _PlainValues(fh).load()
+        rank = int(path.name[len(NCCL_DUMP_PREFIX):])
+    except (OSError, ValueError, pickle.UnpicklingError, EOFError):
+        return None
+    if not isinstance(flight, dict):
+        return None
+    return Record(rank, _nccl_world(flight), "NCCL watchdog: a collective timed out", False, path.stat().st_mtime,
+                  _entries(flight))
+
+
 def read_records(run_dir: str | Path) -> list[Record]:
+    """Every rank's record: the ones Python wrote (rank-N.json) and, for ranks that left none, the NCCL
+    watchdog's (nccl-rank-N)."""
     records = []
     for path in sorted(Path(run_dir, FLIGHT_DIR).glob("rank-*.json")):
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        entries = []
-        for e in ((raw.get("flight") or {}).get("entries") or []):
-            if e.get("is_p2p"):
-                continue  # point-to-point sends and receives are numbered apart; collectives tell the order
-            name, desc = (list(e.get("process_group") or ["?", ""]) + [""])[:2]
-            entries.append(Entry(str(name), str(desc), int(e["collective_seq_id"]), str(e.get("profiling_name", "?")),
-                                 list(e.get("input_sizes") or []), int(e.get("time_created_ns", 0)) / 1e9))
         records.append(Record(int(raw["rank"]), int(raw.get("world_size", 0)), str(raw.get("reason", "")),
-                              bool(raw.get("own_error")), float(raw.get("time", 0.0)), entries))
+                              bool(raw.get("own_error")), float(raw.get("time", 0.0)), _entries(raw.get("flight"))))
+    written = {r.rank for r in records}
+    for path in sorted(Path(run_dir, FLIGHT_DIR).glob(f"{NCCL_DUMP_PREFIX}*")):
+        record = _nccl_record(path)
+        if record is not None and record.rank not in written:
+            records.append(record)
+            written.add(record.rank)
     return records
 
 

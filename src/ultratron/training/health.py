@@ -17,6 +17,7 @@ those after the monitor registered are seen. Without a GPU (or NVML) the GPU par
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import time
@@ -43,10 +44,68 @@ class GpuHealth:
     warnings: list[str] = field(default_factory=list)
 
 
-class GpuMonitor:
-    """NVML, opened once: XID events are only delivered to an event set registered beforehand."""
+def _uuid(text: str) -> str:
+    """A GPU UUID as NVML ("GPU-5a8f...") and torch (without the prefix) spell it, in one form."""
+    text = str(text).strip().lower()
+    return text[4:] if text.startswith("gpu-") else text
 
-    def __init__(self, indices: list[int] | None = None):
+
+def _bus(text: str) -> str:
+    """A PCI bus id in NVML's form, domain:bus:device.function with an 8-digit domain ("00000000:3b:00.0")."""
+    parts = str(text).strip().lower().split(":")
+    if len(parts) == 2:  # bus:device.function, no domain
+        parts = ["0", *parts]
+    try:
+        return f"{int(parts[0], 16):08x}:{int(parts[1], 16):02x}:{parts[2]}"
+    except (ValueError, IndexError):
+        return str(text).strip().lower()
+
+
+def nvml_index(ordinal: int, nvml_devices: list[tuple[str, str]], *, uuid: str | None = None,
+               bus_id: str | None = None, visible: str | None = None) -> int | None:
+    """The NVML index of the GPU that CUDA calls `ordinal` in this process. NVML numbers every GPU of
+    the node (in PCI order); CUDA only the visible ones (CUDA_VISIBLE_DEVICES, which Slurm sets when
+    it binds GPUs to a task), in its own order. So the ordinal is matched by identity: the GPU's UUID,
+    else its PCI bus id (both of which torch reports for the CUDA device), else the ordinal's entry in
+    CUDA_VISIBLE_DEVICES (an NVML index, or a UUID or its unique prefix). None: no GPU of NVML's
+    matches (the ordinal alone would name another job's GPU). `nvml_devices`: (UUID, PCI bus id) of
+    each NVML index."""
+    if uuid:
+        found = [i for i, (u, _) in enumerate(nvml_devices) if _uuid(u) == _uuid(uuid)]
+        if found:
+            return found[0]
+    if bus_id:
+        found = [i for i, (_, b) in enumerate(nvml_devices) if _bus(b) == _bus(bus_id)]
+        if found:
+            return found[0]
+    if visible is None:
+        return ordinal if ordinal < len(nvml_devices) else None
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if ordinal >= len(entries):
+        return None
+    entry = entries[ordinal]
+    if entry.isdigit():
+        return int(entry) if int(entry) < len(nvml_devices) else None
+    found = [i for i, (u, _) in enumerate(nvml_devices) if _uuid(u).startswith(_uuid(entry))]
+    return found[0] if len(found) == 1 else None
+
+
+def cuda_identity(ordinal: int) -> tuple[str | None, str | None]:
+    """(UUID, PCI bus id) of CUDA device `ordinal` as torch reports them (None where it does not)."""
+    props = torch.cuda.get_device_properties(ordinal)
+    uuid = getattr(props, "uuid", None)
+    bus = None
+    if all(hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    return (str(uuid) if uuid is not None else None), bus
+
+
+class GpuMonitor:
+    """NVML, opened once: XID events are only delivered to an event set registered beforehand.
+    `indices`: NVML's; `cuda_device`: a CUDA ordinal of this process instead, whose NVML index is
+    found by identity (`nvml_index`)."""
+
+    def __init__(self, indices: list[int] | None = None, cuda_device: int | None = None):
         self.nvml, self.error, self.handles, self.events = None, None, [], None
         try:
             import pynvml
@@ -60,13 +119,30 @@ class GpuMonitor:
             return
         self.nvml = pynvml
         count = pynvml.nvmlDeviceGetCount()
-        self.handles = [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in (indices or range(count)) if i < count]
+        if cuda_device is not None:
+            index = self.nvml_index_of(cuda_device, count)
+            indices = [index] if index is not None else []
+            if index is None:
+                self.error = f"NVML has no GPU matching CUDA device {cuda_device}"
+        chosen = indices if indices is not None else range(count)
+        self.handles = [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in chosen if i < count]
         try:
             self.events = pynvml.nvmlEventSetCreate()
             for _, handle in self.handles:
                 pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, self.events)
         except Exception:  # not supported (some virtualized GPUs): XIDs go unseen, said in the summary
             self.events = None
+
+    def nvml_index_of(self, cuda_device: int, count: int) -> int | None:
+        n = self.nvml
+        devices = []
+        for i in range(count):
+            handle = n.nvmlDeviceGetHandleByIndex(i)
+            uuid, pci = self._call(n.nvmlDeviceGetUUID, handle), self._call(n.nvmlDeviceGetPciInfo, handle)
+            bus = getattr(pci, "busId", b"") if pci is not None else b""
+            devices.append(tuple(v.decode() if isinstance(v, bytes) else str(v or "") for v in (uuid, bus)))
+        uuid, bus = cuda_identity(cuda_device)
+        return nvml_index(cuda_device, devices, uuid=uuid, bus_id=bus, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def _call(self, fn, *args):
         try:
@@ -78,7 +154,7 @@ class GpuMonitor:
         if self.nvml is None:
             return GpuHealth(False, f"no GPU: {self.error}")
         if not self.handles:
-            return GpuHealth(False, "no GPU: NVML sees no device")
+            return GpuHealth(False, f"no GPU: {self.error or 'NVML sees no device'}")
         n, report = self.nvml, GpuHealth(True, "")
         for index, h in self.handles:
             gpu = f"GPU {index}"
@@ -217,8 +293,8 @@ UNHEALTHY_FILE = "unhealthy-nodes.txt"
 class HealthMonitor:
     def __init__(self, cfg, dims, device: torch.device, run_dir: Path, log):
         self.h, self.dims, self.device, self.run_dir, self.log = cfg.health, dims, device, run_dir, log
-        gpu = [device.index or 0] if device.type == "cuda" else None
-        self.monitor = GpuMonitor(gpu) if (self.h.check or self.h.interval > 0) else None
+        gpu = (device.index or 0) if device.type == "cuda" else None  # the CUDA ordinal, not NVML's index
+        self.monitor = GpuMonitor(cuda_device=gpu) if (self.h.check or self.h.interval > 0) else None
         self.last = time.monotonic()
 
     def check(self, step: int, record: bool = True) -> list[str]:
