@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 # much of the suite waits on process start-up and gloo, so 2 workers suit even a 2-core machine
 TEST_WORKERS ?= 2
 
-.PHONY: setup quickstart test test-other-isa lint clean
+.PHONY: setup quickstart test test-other-isa lint gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -46,6 +46,11 @@ test-other-isa: setup
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
+
+# The prepared GPU check (docs/performance.md): on one GPU, every figure beside the planner's in under
+# 8 minutes; without a GPU the same rows at a tiny size. GPU_CHECK_ARGS: e.g. --gpu h100-pcie, --only eager
+gpu-check: setup
+	$(VENV)/bin/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -69,7 +69,7 @@ LOCAL = {  # name: the sweep's layout words (4 processes; the tiny model's batch
 #     half of each block's matmul forward and its elementwise ops run again, and under TP the
 #     forward's all-gathers (not the reduce-scatters) — modelled as our selective recompute (norms,
 #     rotary, SwiGLU and the gathers again) plus half the layers' matmul forward FLOPs at the
-#     layout's compute rate, less the reduce-scatter per layer ours runs again (`titan_op_sac_s`).
+#     layout's compute rate (`titan_op_sac_s`); ours keeps the reduce-scatters' outputs as it does.
 TITAN_HBM = 2.4e12
 H100_PEAKS = (("SXM", 989.4e12), ("NVL", 835.5e12))
 _8B_FSDP = dict(zero=3, micro_batch_size=2, grad_accum=1, seq_len=8192, recompute="selective")
@@ -255,19 +255,16 @@ def predict_published(model: str, machine: str, layout: Layout, op_sac: bool,
 
 def titan_op_sac_s(spec: SearchSpec, est) -> float:
     """How torchtitan's op-level selective checkpointing differs from ours in time: it recomputes half
-    of the layers' matmul forward FLOPs (every second matmul), at the layout's modelled compute rate;
-    under tensor parallel it saves the reduce-scatters' outputs, so the one per layer that our
-    recompute runs again (`planning.comm`) is taken off. (Its forward's all-gathers it does run again,
-    as ours does.)"""
+    of the layers' matmul forward FLOPs (every second matmul), at the layout's modelled compute rate.
+    Under tensor parallel both keep the reduce-scatters' outputs (ours: `parallel/recompute.py`, so
+    `planning.comm` counts none again) and run the forward's all-gathers again: no difference there."""
     from ultratron.planning.compute import layer_matmuls
 
     lay = est.layout
     tokens = lay.micro_batch_size * lay.seq_len / lay.cp
     per_micro = sum(2 * m * k * n * c for m, k, n, c in layer_matmuls(spec.shape, tokens, lay.tp, lay.ep))
     flops = 0.5 * per_micro * spec.shape.n_layers / lay.pp * lay.grad_accum
-    saved = sum(c.seconds / c.calls * lay.grad_accum * spec.shape.n_layers / lay.pp for c in est.collectives
-                if c.axis == "tp" and c.op == "reduce-scatter")
-    return flops / (est.efficiency * spec.accelerator.flops[spec.precision]) - saved
+    return flops / (est.efficiency * spec.accelerator.flops[spec.precision])
 
 
 def _matches(cell: Path, words: str) -> bool:

@@ -1,6 +1,8 @@
 import shutil
+import socket
 import sys
 import sysconfig
+import uuid
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,48 @@ def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
+S3_BUCKET = f"test-{uuid.uuid4().hex[:8]}"  # moto keeps buckets for the life of the process
+
+
+class S3Server:
+    """moto's S3 server in a thread on loopback, reached through s3fs exactly as a cluster reaches S3
+    or MinIO (not a mock of the client); stop() and start() keep its objects (they live in this process)."""
+
+    def __init__(self):
+        from moto.server import ThreadedMotoServer
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self._make = lambda: ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.server = None
+
+    def start(self):
+        self.server = self._make()
+        self.server.start()
+
+    def stop(self):
+        self.server.stop()
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """(the server, an s3fs filesystem on it); the bucket S3_BUCKET exists."""
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    server = S3Server()
+    server.start()
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=server.endpoint)
+    if not fs.exists(S3_BUCKET):
+        fs.mkdir(S3_BUCKET)
+    yield server, fs
+    server.stop()
+
+
 # The files that take longest on CI's 2 cores, heaviest first (seconds: the last fresh-clone run's
 # --durations, whole file, before run_local forked its ranks; the order also holds in a side-by-side
 # run since, where the simulate file gained least). `make test` hands files to its two xdist workers
@@ -80,8 +124,11 @@ HEAVIEST_FIRST = [
     "tests/distributed/test_dist_cp_ep.py",           # ~210
     "tests/distributed/test_dist_combinations.py",    # ~180
     "tests/test_simulate_scale.py",                   # ~145
+    "tests/bench/test_gpu_check.py",                  # ~150 (load average 12): the tiny GPU check, compile included
     "tests/distributed/test_dist_equivalence.py",     # ~140
+    "tests/distributed/test_dist_start_at_scale.py",  # ~100: a ~0.95 GB model on 4 ranks
     "tests/test_fp8.py",                              # ~70
+    "tests/distributed/test_dist_remote_data.py",     # ~50 (load average 12): curate to S3, dp2, kill, dp4, dp1
 ]
 _HEAVIEST_RANK = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
 

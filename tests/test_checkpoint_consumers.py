@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from test_checkpoint_s3 import BUCKET, s3  # noqa: F401 (the loopback S3 server fixture)
+from conftest import S3_BUCKET as BUCKET
 from ultratron.checkpoint.inference import load_for_inference
 from ultratron.cli import main
 from ultratron.config import load_config
@@ -21,7 +21,7 @@ from ultratron.training.trainer import train
 
 
 @pytest.fixture
-def s3_run(s3, tiny_overrides):  # noqa: F811
+def s3_run(s3, tiny_overrides):
     server, _ = s3
     url = f"s3://{BUCKET}/runs/{uuid.uuid4().hex[:8]}"  # moto keeps objects for the life of this process
     train(load_config(None, tiny_overrides + ["--eval.interval", "0", "--training.steps", "2", "--checkpoint.dir", url,

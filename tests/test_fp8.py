@@ -1,6 +1,8 @@
 """fp8 training (torchao float8, emulated on a CPU): which layers it converts, what it refuses, that
 the suite's tiny model learns as under bf16, and that its checkpoints resume and export in fp32."""
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -8,6 +10,7 @@ from torch import nn
 from conftest import TINY, losses
 from tolerances import PRECISION, relative_gap, replayed
 from ultratron.config import load_config
+from ultratron.data import prepare
 from ultratron.errors import ConfigError
 from ultratron.training.trainer import train
 
@@ -33,11 +36,16 @@ def runs(small_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
     common = TINY + ["--data.path", str(small_corpus), "--data.extensions", ".py", "--eval.interval", "0",
                      "--data.cache_dir", str(root / "data"), "--training.steps", str(STEPS), *BATCH]
-    for precision in ("bf16", "fp8"):
-        saves = ["--checkpoint.interval", str(SAVED)] if precision == "fp8" else []
-        cfg = load_config(None, common + ["--training.precision", precision, "--run.dir", str(root / precision),
-                                          *saves])
-        train(cfg, echo=False)
+    # The tokenizer of the data PRECISION's bound was measured on: numbers not cut into digit groups.
+    # Cut (issue 46's default), the tokens differ and the two runs' trajectories end 2.25% apart, fp8
+    # the lower: trajectory noise on other data (tests/tolerances.py), not fp8's rounding.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prepare, "train_tokenizer", functools.partial(prepare.train_tokenizer, split_digits=False))
+        for precision in ("bf16", "fp8"):
+            saves = ["--checkpoint.interval", str(SAVED)] if precision == "fp8" else []
+            cfg = load_config(None, common + ["--training.precision", precision, "--run.dir", str(root / precision),
+                                              *saves])
+            train(cfg, echo=False)
     return root, common
 
 

@@ -45,7 +45,8 @@ def _hf_model(root, corpus, family="llama", tie=True, shard=False, seed=0, **ext
            "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
            "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}[family]
     config = cls[0](hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=320, max_position_embeddings=128, rms_norm_eps=1e-6,
+                    num_key_value_heads=2, vocab_size=320,
+                    max_position_embeddings=extra.pop("max_position_embeddings", 128), rms_norm_eps=1e-6,
                     tie_word_embeddings=tie, eos_token_id=1, bos_token_id=0, **extra)
     torch.manual_seed(seed)
     model = cls[1](config).eval()
@@ -66,6 +67,86 @@ def _tensors(path):
         with safe_open(str(file), framework="pt") as fh:
             out.update({k: fh.get_tensor(k) for k in fh.keys()})
     return out
+
+
+def test_a_mistral_with_a_window_shorter_than_its_context_keeps_transformers_logits(tmp_path, small_corpus):
+    """sliding_window 64 of a 256 context, 200 positions: each query past 64 sees only its window, in
+    transformers and in the imported model alike, and in the model exported back (1e-5 on fp32 logits,
+    as the test below)."""
+    from ultratron.checkpoint.hf import export_hf
+    from ultratron.checkpoint.inference import load_for_inference
+    from ultratron.errors import ExportError
+
+    hf_model = _hf_model(tmp_path / "hf", small_corpus, "mistral", False, False, sliding_window=64,
+                         max_position_embeddings=256)
+    import_hf(tmp_path / "hf", tmp_path / "run")
+    loaded = load_for_inference(tmp_path / "run")
+    assert loaded.model.args.sliding_window == 64
+    ids = torch.randint(2, 320, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = loaded.model(ids), hf_model(ids).logits
+        unwindowed = build_like(loaded.model, sliding_window=0)(ids)  # (the test can tell: it matters)
+    assert float((ours - theirs).abs().max()) < 1e-5
+    assert float((unwindowed[:, 100:] - theirs[:, 100:]).abs().max()) > 1e-3
+    out = export_hf(loaded.model, loaded.tokenizer, tmp_path / "again")  # back as a Mistral with its window
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert again.config.model_type == "mistral" and again.config.sliding_window == 64
+    with torch.no_grad():
+        assert float((again(ids).logits - ours).abs().max()) < 1e-5
+    with pytest.raises(ExportError, match="only Mistral's and Mixtral's window on every layer"):
+        export_hf(build_like(loaded.model, sliding_window_pattern=2), loaded.tokenizer, tmp_path / "pattern")
+
+
+def test_serve_greedy_of_an_imported_windowed_mistral_equals_transformers(tmp_path, small_corpus):
+    """Issue 45's acceptance: a Mistral with sliding_window 64 of a 256 context, imported, answers a
+    200-token prompt through serve's engine (KV cache, a prompt prefilled in chunks of 48 tokens, the
+    prefix cache on) with transformers' greedy tokens, token for token. Greedy ids are exact: the
+    logits agree within 1e-5 (the test above) and the test checks each chosen token's margin over
+    the runner-up is far above that, so no rounding can flip a choice."""
+    from ultratron.checkpoint.inference import load_for_inference
+    from ultratron.inference.engine import Engine, SamplingParams, Sequence
+
+    hf_model = _hf_model(tmp_path / "hf", small_corpus, "mistral", False, False, sliding_window=64,
+                         max_position_embeddings=256)
+    import_hf(tmp_path / "hf", tmp_path / "run")
+    loaded = load_for_inference(tmp_path / "run")
+    prompt = torch.randint(2, 320, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    new = 24
+    with torch.no_grad():
+        theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    want = theirs.sequences[0, len(prompt):].tolist()
+    margins = [float(step[0].topk(2).values.diff().abs()) for step in theirs.logits]
+    assert min(margins) > 1e-3, margins  # a choice rounding cannot flip
+    engine = Engine(loaded.model, eos_id=-1, decode=lambda ids: "", slots=2, capacity=256,
+                    prefix_cache_tokens=256, max_batched_tokens=48)
+    seq = Sequence(prompt, SamplingParams(max_tokens=new, temperature=0))
+    engine.admit([seq])
+    while engine.busy:
+        engine.admit([])
+        engine.step()
+    assert seq.token_ids == want
+    # (the window matters here: the same weights unwindowed choose other tokens)
+    assert _greedy(build_like(loaded.model, sliding_window=0), prompt, new) != want
+
+
+def _greedy(model, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def build_like(model, **changes):
+    """The same weights in a model built from `model.args` with `changes`."""
+    import dataclasses
+
+    from ultratron.models.llama import Llama
+
+    other = Llama(dataclasses.replace(model.args, **changes)).eval()
+    other.load_state_dict(model.state_dict())
+    return other
 
 
 @pytest.mark.parametrize("family,tie,shard,extra", [
@@ -176,11 +257,15 @@ def test_what_does_not_map_is_refused_with_every_reason(tmp_path, small_corpus):
     _, problems = map_config({**moe, "decoder_sparse_step": 2})
     assert problems == ["dense layers [0, 2] (mlp_only_layers, decoder_sparse_step): ultratron keeps only the first "
                         "layers dense"]
-    _, problems = map_config({**base, "model_type": "mistral", "sliding_window": 64, "max_position_embeddings": 256})
-    assert problems and "--max-seq-len 64" in problems[0]
+    fields, problems = map_config({**base, "model_type": "mistral", "sliding_window": 64,
+                                   "max_position_embeddings": 256})
+    assert not problems and fields["sliding_window"] == 64  # the window on every layer
+    _, problems = map_config({**base, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True,
+                              "max_window_layers": 1, "max_position_embeddings": 256})
+    assert problems and "--max-seq-len 64" in problems[0]  # Qwen2's first layers full, the rest windowed
     fields, problems = map_config({**base, "model_type": "mistral", "sliding_window": 64,
                                    "max_position_embeddings": 256}, max_seq_len=64)
-    assert not problems and fields["max_seq_len"] == 64
+    assert not problems and fields["max_seq_len"] == 64 and "sliding_window" not in fields
     assert "not a model ultratron can hold" in map_config({"model_type": "gpt2"})[1][0]
     # a directory with an extra tensor and no tokenizer: both reasons, one line each, and nothing written
     hf_dir = tmp_path / "hf"

@@ -13,6 +13,7 @@ import pytest
 from ultratron.cli import build_parser
 from ultratron.config import Config, ModelConfig, ParallelConfig, TrainingConfig, load_config
 from ultratron.config.loader import type_hints
+from ultratron.config.precision import AUTO, AUTO_HELP
 from ultratron.errors import ConfigError
 from ultratron.fields import taken_from
 from ultratron.models.presets import ModelShape
@@ -26,7 +27,8 @@ LAYOUT_FIELDS = ("dp", "dp_replicate", "zero", "tp", "sp", "pp", "pp_schedule", 
 DERIVED_BY_THE_CONFIG = {"grad_accum"}  # from training.batch_tokens
 PLANNER_ONLY = {"fp32_grad_accum", "attention_fp32"}  # (why: Layout's docstring)
 SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings", "rope_theta",
-                "max_seq_len", "head_dim", "qk_norm", "n_experts", "n_active_experts", "n_shared_experts",
+                "max_seq_len", "head_dim", "qk_norm", "sliding_window", "sliding_window_pattern",
+                "n_experts", "n_active_experts", "n_shared_experts",
                 "expert_ffn_dim", "n_dense_layers", "router_score", "family")
 PLAN_COMMANDS = ("memory", "estimate", "search")
 
@@ -54,6 +56,10 @@ def test_the_layout_fields_are_the_planners_the_configs_and_the_plan_flags():
         ["cp_attention", "collective_timeout"]
     for section in (ParallelConfig, TrainingConfig):
         for name in taken_from(section, Layout):  # one definition: the same type, help, choices and bounds
+            if (section, name) == (TrainingConfig, "precision"):  # but the trainer's own value, auto
+                kind, text, choices, minimum = _definition(Layout, name)
+                assert _definition(section, name) == (kind, AUTO_HELP + text, (AUTO, *choices), minimum)
+                continue
             assert _definition(section, name) == _definition(Layout, name), name
     for command in PLAN_COMMANDS:
         actions = _group(command, "layout")

@@ -103,3 +103,12 @@ def test_the_registry_reads_a_model_through_its_wrappers(tmp_path):
     assert model_args(Stand()) is model.args
     with pytest.raises(TypeError, match="no model of a family"):
         model_args(torch.nn.Linear(2, 2))
+
+
+def test_plain_names_drop_every_wrappers_prefix():
+    """The checkpoint wrapper's prefix ends with DDP's ("module."): dropping DDP's first left
+    `_checkpoint_wrapped_` in the name, and recomputed blocks were initialized under other names."""
+    from ultratron.models.registry import plain_name
+
+    assert plain_name("module._orig_mod.layers.0._checkpoint_wrapped_module.attention.wq.weight") == \
+        "layers.0.attention.wq.weight"

@@ -78,3 +78,37 @@ def test_simulate_measures_the_device_peak_fall_and_the_host_line_of_the_8b_layo
     assert off["peak_bytes"] - on["peak_bytes"] >= 0.5 * activations
     assert on["offloaded_bytes"] == on["moved_bytes"] == on["planned_offloaded_bytes"] > 0
     assert off["moved_bytes"] == 0
+
+
+def _offloaded_tiny_model(n_layers: int = 3):
+    cfg = load_config(None, ["--model.preset", "tiny", "--model.n_layers", str(n_layers), "--model.dim", "64",
+                             "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.ffn_dim", "128",
+                             "--model.vocab_size", "256"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    _, host = apply_offload(model, True, plan_of(model))
+    return model, host
+
+
+def test_host_buffers_are_reused_across_steps_not_allocated_per_tensor():
+    model, host = _offloaded_tiny_model()
+    tokens = torch.randint(0, 256, (2, 32))
+    allocated = []
+    for _ in range(3):
+        host.reset()
+        model(tokens).float().logsumexp(-1).mean().backward()
+        allocated.append(host.pool.allocated)
+    assert allocated[0] > 0 and allocated == [allocated[0]] * 3
+    assert sum(len(v) for v in host.pool.free.values()) == allocated[0]  # all back in the pool after backward
+
+
+def test_backward_fetches_each_block_once_the_previous_one_ahead():
+    model, host = _offloaded_tiny_model(n_layers=4)
+    tokens = torch.randint(0, 256, (2, 32))
+    for _ in range(2):  # (group numbers go on across steps)
+        first = host.groups
+        host.reset()
+        model(tokens).float().logsumexp(-1).mean().backward()
+        blocks = list(range(first, host.groups))
+        # the last block's storages when its backward starts, each earlier one while the block after it runs
+        assert host.fetches == [(g, g != blocks[-1]) for g in reversed(blocks)]

@@ -75,6 +75,8 @@ LINES = {
                       "rel=0.05": FORMULA + " (the initialisation's standard deviation, sampled)"},
     "test_moe.py": {"< 0.5 * before": BEHAVIOUR, "- 1) < 0.02": FORMULA,
                     "rtol=1e-5, atol=1e-6": ONE_FORWARD + " (the layer against its definition, 16 experts' sums)"},
+    "test_init.py": {"whole.abs().max() <= 0.5": "the uniform rule's draws against its bound ±0.5 and a spread that "
+                                                 "shows they were drawn: a property of the draw, no rounding compared"},
     "test_schedule.py": {"atol=1e-7": "one AdamW step against its formula written out, in fp32, on one tensor"},
     "test_resilience.py": {"0.02 * clean.final_val_loss": "a run that skipped its faulty steps against a clean "
                                                           "one: other data, so a learning bound, not rounding"},

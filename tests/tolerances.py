@@ -62,9 +62,23 @@ PRECISION One run in bf16 (or fp8) against the same run in fp32 (or bf16): bf16 
          ended 2.4% apart on one Xeon with oneDNN on AMX and without (fp8 against bf16 there: 2.7%;
          0.9% on AMD), so the test takes two micro-batches a step, where fp8 against bf16 measured
          0.6% on the Xeon and 1.0% with the second pass's kernels (bf16 alone between the two: 0.6%).
+         Measured with a tokenizer that leaves numbers whole, which tests/test_fp8.py keeps: with
+         digits cut in groups (the default since issue 46) the same runs end 2.25% apart, fp8 lower.
+SERVING_BF16 The server's log-probabilities with `--dtype bf16` against `--dtype fp32`, same prompts
+         (tests/evaluation/test_serve_dtype.py). bf16 keeps 8 significant bits: every weight, and
+         every activation a layer writes, is rounded to within u = 2^-8 of itself. A forward of an
+         L-layer Llama rounds the residual stream ~8 times per layer (norm, q/k/v, attention output,
+         the FFN's three matmuls, two residual adds) and twice more at the end (final norm, output
+         head): R = 8L + 2 roundings, independent, so the final hidden state h is off by about
+         u·√R of its norm. A logit z_j = h·w_j is then off by at most u·√R·|h|·|w_j| (Cauchy–Schwarz),
+         and log p_j = z_j − logsumexp(z) by at most twice the largest logit error:
+         |Δ log p| ≤ 2·u·√R·max|h|·max_j|w_j|. `bf16_logprob_bound` computes it from the model's
+         depth and its fp32 norms; nothing in it is fitted (measured: 1/16 of it, 0.017 of 0.26 nats).
 """
 
 from __future__ import annotations
+
+import math
 
 FP32_ROUNDING = 2.0**-24
 
@@ -84,3 +98,21 @@ def relative_gap(got: float, expected: float) -> float:
 def replayed(got: float, expected: float) -> bool:
     """`got` is `expected` computed again (REPLAY)."""
     return relative_gap(got, expected) <= REPLAY
+
+
+BF16_UNIT = 2.0**-8  # bf16's 8 significant bits
+
+
+def bf16_logprob_bound(n_layers: int, hidden_norm: float, head_row_norm: float) -> float:
+    """How far a bf16 forward's log-probabilities may be from fp32's (SERVING_BF16)."""
+    return 2 * BF16_UNIT * math.sqrt(8 * n_layers + 2) * hidden_norm * head_row_norm
+
+# Attention backends against the whole dense mask, the same inputs (tests/test_attention.py derives them):
+FP32_ATTENTION = 1e-6  # absolute, on outputs and gradients of magnitude ~1-4
+BF16_ATTENTION = 0.14  # absolute: flex on bf16 inputs against fp32 on the same values (its worst case)
+
+# A prompt log-probability (echo) served from the serving prefix cache against the same request with
+# the cache off (tests/evaluation/test_serve_prefix_cache.py): the same fp32 forward of the same
+# tokens, in another batch (other rows, other padding, the prefix computed in an earlier pass), so
+# only the order of fp32 sums differs: n·2^-24 of logits of a few units, n up to a few hundred terms.
+PREFIX_CACHE = 1e-5  # absolute, nats (the bound issue 47 sets)

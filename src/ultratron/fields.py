@@ -53,20 +53,21 @@ def field_problems(obj: Any, name: Callable[[str], str] = lambda field: field) -
 
 
 def take_fields(source: type, names: tuple[str, ...], *, after: str | None = None, optional: bool = False,
-                **defaults: Any) -> Callable[[type], type]:
+                meta: dict[str, dict] | None = None, **defaults: Any) -> Callable[[type], type]:
     """A class decorator, applied under `@dataclass`, that gives the class `source`'s own definitions
     of the fields `names` — type, help, choices, bounds, flags — so they are written once.
 
     `defaults` replace a field's default (the trainer and the planner start from different
     sequence lengths, say); `optional` makes every field `T | None` with default None (a preset
-    fills it later). The fields go after the class's own field `after`, or first. Their metadata
-    records `source`, so a test can tell which fields came from where (`taken_from`)."""
+    fills it later); `meta` replaces entries of a field's metadata (a value the taking class adds to
+    the choices, with its help). The fields go after the class's own field `after`, or first. Their
+    metadata records `source`, so a test can tell which fields came from where (`taken_from`)."""
     hints = typing.get_type_hints(source)
     by_name = {f.name: f for f in dataclasses.fields(source)}
 
     def copy(name: str) -> tuple[Any, dataclasses.Field]:
         f = by_name[name]
-        metadata = {**f.metadata, "source": source}
+        metadata = {**f.metadata, **(meta or {}).get(name, {}), "source": source}
         if optional:
             return hints[name] | None, dataclasses.field(default=None, metadata=metadata)
         if name in defaults:
@@ -76,7 +77,7 @@ def take_fields(source: type, names: tuple[str, ...], *, after: str | None = Non
         return hints[name], dataclasses.field(default=f.default, metadata=metadata)
 
     def decorate(cls: type) -> type:
-        unknown = [n for n in (*names, *defaults) if n not in by_name]
+        unknown = [n for n in (*names, *defaults, *(meta or {})) if n not in by_name]
         if unknown:
             raise TypeError(f"{source.__name__} has no field {', '.join(unknown)}")
         own = dict(cls.__dict__.get("__annotations__", {}))

@@ -91,8 +91,9 @@ def ring_attention_errors(out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from ultratron.models.llama.model import document_layout, sdpa_attention
-    from ultratron.parallel.context import ContextParallelAttention, shard_positions, shard_sequence, unshard_sequence
+    from ultratron.models.attention import attend, reference_attention
+    from ultratron.models.masks import MaskSpec
+    from ultratron.parallel.context import ContextParallelAttention, shard_sequence, unshard_sequence
 
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # (every rank creates every group)
@@ -106,20 +107,20 @@ def ring_attention_errors(out_dir: str) -> None:
         group, cp_rank = (dist.group.WORLD, rank) if cp == 4 else (pairs[rank // 2], rank % 2)
         for mode in ("ring", "allgather"):
             for heads, kv_heads in ((4, 4), (4, 2)):
-                for masked in (False, True) if kv_heads < heads else (False,):  # (documents: GQA only)
+                # (documents, sliding windows: GQA only; a window of 12 ends inside chunks of 8 or 16)
+                for masked in ("", "-documents", "-window", "-documents-window") if kv_heads < heads else ("",):
                     torch.manual_seed(cp * 10 + kv_heads)  # the same tensors on every rank
                     q, k, v = (torch.randn(2, h, 64, 16) for h in (heads, kv_heads, kv_heads))
                     weight = torch.randn(2, heads, 64, 16)
                     full = [t.clone().requires_grad_() for t in (q, k, v)]
-                    mask = document_layout(documents)[1] if masked else None
-                    out = sdpa_attention(*full, mask, heads // kv_heads)
+                    spec = MaskSpec(documents=documents if "documents" in masked else None,
+                                    window=12 if "window" in masked else 0)
+                    out = reference_attention(*full, spec, heads // kv_heads)  # the dense mask, one process
                     (out * weight).sum().backward()
                     local = [shard_sequence(t, cp, cp_rank, dim=2).requires_grad_() for t in (q, k, v)]
-                    attention = ContextParallelAttention(group, cp_rank, cp, mode, local=sdpa_attention)
+                    attention = ContextParallelAttention(group, cp_rank, cp, mode, local=attend)
                     attention.active = True
-                    rows = shard_positions(64, cp, cp_rank)
-                    mine = attention(*local, document_layout(documents, rows)[1] if masked else None,
-                                     heads // kv_heads)
+                    mine = attention(*local, spec, heads // kv_heads)
                     (mine * shard_sequence(weight, cp, cp_rank, dim=2)).sum().backward()
                     errors = {}
                     for name, got, expected in (("out", mine.detach(), out.detach()),
@@ -130,7 +131,7 @@ def ring_attention_errors(out_dir: str) -> None:
                         errors[name] = float((unshard_sequence(shards, dim=2) - expected).abs().max())
                         errors[name + "_scale"] = float(expected.abs().max())
                     heads_name = "gqa" if kv_heads < heads else "mha"
-                    results[f"cp{cp}-{mode}-{heads_name}" + ("-documents" if masked else "")] = errors
+                    results[f"cp{cp}-{mode}-{heads_name}" + masked] = errors
             if cp == 2:
                 results[f"model-cp2-{mode}"] = _document_logits_errors(documents, group, cp_rank, mode)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
@@ -145,8 +146,8 @@ def _document_logits_errors(documents, group, cp_rank: int, mode: str) -> dict:
     import torch
     import torch.distributed as dist
 
+    from ultratron.models.attention import attend
     from ultratron.models.llama import Llama, LlamaArgs
-    from ultratron.models.llama.model import sdpa_attention
     from ultratron.models.registry import plan_of
     from ultratron.parallel.axis import MicroBatch
     from ultratron.parallel.context import ContextAxis, ContextParallelAttention, unshard_sequence
@@ -155,7 +156,7 @@ def _document_logits_errors(documents, group, cp_rank: int, mode: str) -> dict:
     model = Llama(LlamaArgs(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97,
                             max_seq_len=64, init_std=0.2)).eval()
     tokens = torch.randint(0, 97, documents.shape)
-    attention = ContextParallelAttention(group, cp_rank, 2, mode, local=sdpa_attention)
+    attention = ContextParallelAttention(group, cp_rank, 2, mode, local=attend)
     plan_of(model).set_attention(model, attention)
     axis = ContextAxis(attention, SimpleNamespace(cp=2, cp_rank=cp_rank))
 
@@ -401,5 +402,54 @@ def measure_offloaded_bytes(base: list[str], layouts: list[list[str]], out_dir: 
                 loss.backward()
             moved.append([forward, parallel.host.returned])
         results.append(moved)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def compare_initial_shards(base: list[str], layouts: list[list[str]], out_dir: str) -> None:
+    """For each layout: the model `parallelize` builds from the meta device (materialized and
+    initialized shard by shard) against one process's initialization of the whole model (`Llama`
+    built on the CPU, LoRA's adapters as `apply_lora` draws them): how many local shards this rank
+    holds, how many elements they hold, and the names of those not bitwise equal to the same rows
+    and columns of the whole. Written to out_dir/rank<r>.json, one entry per layout."""
+    import json
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from ultratron.config import load_config
+    from ultratron.models.lora import apply_lora
+    from ultratron.models.registry import build_model, plain_name, plan_of, unwrap
+    from ultratron.parallel.materialize import local_region
+    from ultratron.parallel.parallelize import parallelize, topology
+
+    results = []
+    for flags in layouts:
+        lora = None
+        if "--lora.rank" in flags:
+            at = flags.index("--lora.rank")
+            lora, flags = flags[at + 1], flags[:at] + flags[at + 2:]
+        cfg = load_config(None, base + flags)
+        if lora is not None:  # adapters with no base checkpoint (a config refuses that): only their init matters
+            cfg.lora.rank = int(lora)
+        dims = topology(cfg.layout)
+        device = dims.init_distributed(torch.device("cpu"))
+        parallel = parallelize(build_model(cfg.model, "meta"), dims, cfg, device)
+        torch.manual_seed(cfg.training.seed)
+        whole = build_model(cfg.model, "cpu")
+        if cfg.lora.rank > 0:
+            apply_lora(whole, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, plan_of(whole).lora_targets)
+        reference = dict(whole.named_parameters())
+        copies = getattr(unwrap(parallel.model), "tied_copies", {})
+        shards, elements, unequal = 0, 0, []
+        for name, param in parallel.model.named_parameters():
+            source = copies.get(plain_name(name), plain_name(name))
+            local, region = local_region(param)
+            expected = reference[source][tuple(slice(a, b) for a, b in region)]
+            shards, elements = shards + 1, elements + local.numel()
+            if local.dtype != torch.float32 or not torch.equal(local, expected):
+                unequal.append(source)
+        results.append({"shards": shards, "elements": elements, "unequal": unequal})
     rank = dist.get_rank() if dist.is_initialized() else 0
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))

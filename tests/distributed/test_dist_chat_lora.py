@@ -1,6 +1,6 @@
 """Chat fine-tuning under parallel layouts equals one process (fp32, 5 steps): document-masked chat
-batches under cp2 (ring attention: each rank's queries see only their own document's keys on the
-other rank; the all-gather mode's masking is checked in test_dist_context_parallel.py) and pp2
+batches under cp2 and cp2 × dp2 (ring attention: each rank's queries see only their own document's
+keys on the other rank; the all-gather mode's masking is checked in test_dist_context_parallel.py) and pp2
 (every stage masks by the micro-batch's documents), and LoRA on the same chat data under dp2 with
 ZeRO-3 (FSDP2 shards the frozen weights and the adapters; only the adapters have optimizer state),
 under tp2 with and without sequence parallelism (the adapters split as their layer,
@@ -10,7 +10,8 @@ Tolerances are the suite's fp32 ones (dist_common.py): losses and validation los
 relative, gradient norms 1e-4, the trained adapters 3e-4 of their update over the run — only the
 summation order differs (under cp each rank's mean loss is weighted by its share of the targets
 that count, so the cp ranks' average is the micro-batch's mean). Measured here: losses ≤ 2.4e-7,
-gradient norms ≤ 2.0e-6 (cp2; the LoRA runs ≤ 2.8e-7), adapters ≤ 2.2e-6.
+gradient norms ≤ 2.0e-6 (cp2; the LoRA runs ≤ 2.8e-7), adapters ≤ 2.2e-6; cp2 × dp2 (through the
+attention backend's block masks): losses ≤ 6.6e-7, gradient norms ≤ 5.6e-6.
 """
 
 import json
@@ -79,6 +80,9 @@ RUNS = {"cp2": (CP2, "chat"), "pp2": (PP2, "chat"),
         "lora-dp2-zero3": (["--parallel.dp", "2", "--parallel.zero", "3"], "lora"),
         "lora-tp2": (TP2, "lora"), "lora-tp2-sp": (TP2 + ["--parallel.sp", "true"], "lora"),
         "lora-pp2": (PP2, "lora"), "lora-cp2": (CP2, "lora")}
+# the 4-process runs: document-masked chat under cp2 × dp2 (the attention backend's masks in the ring
+# on each dp replica's micro-batches)
+RUNS4 = {"cp2-dp2": (CP2 + ["--parallel.dp", "2"], "chat")}
 
 
 def test_chat_and_lora_under_parallel_layouts_equal_one_process(base, tmp_path):
@@ -94,7 +98,9 @@ def test_chat_and_lora_under_parallel_layouts_equal_one_process(base, tmp_path):
         train(load_config(config, overrides(tmp_path / f"ref-{reference}", reference)), echo=False)
     run_local(2, train_configs, [(config, overrides(tmp_path / name, reference, *layout))
                                  for name, (layout, reference) in RUNS.items()])
-    for name, (_, reference) in RUNS.items():
+    run_local(4, train_configs, [(config, overrides(tmp_path / name, reference, *layout))
+                                 for name, (layout, reference) in RUNS4.items()])
+    for name, (_, reference) in {**RUNS, **RUNS4}.items():
         got, want = _records(tmp_path / name), _records(tmp_path / f"ref-{reference}")
         assert sorted(got) == sorted(want) == list(range(STEPS + 1)), name
         gaps = {}

@@ -65,7 +65,8 @@ def test_untied_gqa_model_round_trips_and_unsupported_options_are_refused(tmp_pa
     # the permutation moves each head's even rows first, then the odd ones
     w = torch.arange(8.0)[:, None]
     assert rope_to_half_split(w, 2).flatten().tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
-    for bad in ({"qk_norm": True, "qkv_bias": True}, {"attn_softcap": 30.0}, {"final_softcap": 15.0}):
+    for bad in ({"qk_norm": True, "qkv_bias": True}, {"attn_softcap": 30.0}, {"final_softcap": 15.0},
+                {"sliding_window": 8, "qkv_bias": True}):
         odd = Llama(LlamaArgs(n_layers=1, dim=16, n_heads=2, n_kv_heads=2, ffn_dim=32, vocab_size=512,
                               max_seq_len=16, **bad))
         with pytest.raises(ExportError, match="cannot export"):

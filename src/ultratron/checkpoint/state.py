@@ -33,15 +33,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-# Prefixes that wrappers leave in parameter names (torch.compile, DDP, activation checkpointing).
-WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_checkpoint_wrapped_module.")
-
-
-def clean_param_name(name: str) -> str:
-    """A parameter's name as the plain model knows it, without wrapper prefixes."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+from ultratron.models.registry import plain_name as clean_param_name
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:

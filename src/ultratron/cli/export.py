@@ -37,14 +37,14 @@ def run(args: argparse.Namespace) -> int:
     from ultratron.checkpoint.store import resolve_checkpoint_dir
     from ultratron.config import load_config
     from ultratron.errors import ExportError
-    from ultratron.models.registry import build_model
+    from ultratron.models.registry import build_empty
 
     if args.format == "peft":
         ckpt = resolve_checkpoint_dir(args.checkpoint)
         cfg = load_config(ckpt / "config.toml")
         if cfg.lora.rank <= 0:
             raise ExportError(f"{ckpt} is no LoRA checkpoint (lora.rank = 0); export hf writes the whole model")
-        model = read_lora(cfg, ckpt, build_model(cfg.model).eval().requires_grad_(False))
+        model = read_lora(cfg, ckpt, build_empty(cfg.model).eval().requires_grad_(False))
         out = export_peft(model, cfg.lora, args.out, base=cfg.model.init_from)
         print(f"exported the LoRA adapters of {ckpt} to {out} (peft; rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g})")
         return 0

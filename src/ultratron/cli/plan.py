@@ -23,7 +23,16 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from ultratron import atomic
-from ultratron.cli.plan_output import gib, human, stacked_bars, table, varying_labels, wrap
+from ultratron.cli.plan_output import (
+    gib,
+    human,
+    stacked_bars,
+    start_line,
+    step_table,
+    table,
+    varying_labels,
+    wrap,
+)
 from ultratron.cli.plan_scaling import add_scaling_arguments
 from ultratron.config.loader import add_arguments as add_field_flags
 from ultratron.config.loader import coerce, type_hints
@@ -35,7 +44,7 @@ from ultratron.planning.compute import MATMUL_EFFICIENCY
 from ultratron.planning.layout import Layout, underfilled_pipeline
 from ultratron.planning.lora import TARGETS as LORA_TARGETS
 from ultratron.planning.lora import adapter_params
-from ultratron.planning.memory import ACTIVATION_MODELS, GiB, MemoryBreakdown, estimate_memory_per_rank
+from ultratron.planning.memory import ACTIVATION_MODELS, GiB, MemoryBreakdown, estimate_memory_per_rank, heaviest_rank
 from ultratron.planning.params import count_params_of
 from ultratron.planning.rules import shape_problems, short_name, trainer_limits
 
@@ -246,7 +255,7 @@ def run_memory(args) -> int:
             problems += [f"{layout.describe()}: {p}" for p in err.problems]
             continue
         per_rank.append(ranks)
-        results.append((layout, max(ranks, key=lambda m: m.peak_bytes)))
+        results.append((layout, heaviest_rank(ranks)))
     if problems:
         raise UserError(problems)
     counts = count_params_of(shape)
@@ -255,6 +264,9 @@ def run_memory(args) -> int:
             "model": asdict(shape), "params": counts.total, "activation_model": args.activation_model,
             "lora_params": adapter_params(shape, *lora) if lora else 0,
             "peak_bytes": max(m.peak_bytes for _, m in results),
+            # from meta to the first step: a fresh start (initialization) and a start from a checkpoint
+            "start_init_bytes": max(m.start_init_bytes for _, m in results),
+            "start_load_bytes": max(m.start_load_bytes for _, m in results),
             "layouts": [{"layout": asdict(lay), "describe": lay.describe(), **mem.as_dict(),
                          "pipeline_ranks": [r.as_dict() for r in ranks] if lay.pp > 1 else []}
                         for (lay, mem), ranks in zip(results, per_rank, strict=True)],
@@ -274,6 +286,8 @@ def run_memory(args) -> int:
         rows.append(["peak"] + [gib(m.peak_bytes) for _, m in results])
         rows.append(["peak at"] + [m.peak_moment for _, m in results])
         rows.append(["of the peak, the loss's"] + [gib(m.loss_share_bytes) for _, m in results])
+        rows.append(["start: init"] + [gib(m.start_init_bytes) for _, m in results])
+        rows.append(["start: from a checkpoint"] + [gib(m.start_load_bytes) for _, m in results])
         rows.append(["stage"] + [m.stage if lay.pp == 1 else f"{m.stage} (rank {m.extra['pp_rank']})"
                                  for lay, m in results])
         if any(lay.offload_activations for lay, _ in results):  # host memory, not in the GPU's peak
@@ -286,6 +300,7 @@ def run_memory(args) -> int:
                    f" GiB (in comm_buffers)") if experts else ""
             print(f"#{i + 1}: {lay.describe()} seq={lay.seq_len} {lay.precision}"
                   f"{' fp32-grad-accum' if lay.fp32_grad_accum else ''}{moe}")
+            print(f"    {start_line(lay, m)}")
     if args.chart:
         labels = varying_labels([lay for lay, _ in results])
         series = {term: [getattr(m, term) / GiB for _, m in results] for term in MemoryBreakdown.TERMS}
@@ -336,15 +351,18 @@ def run_estimate(args) -> int:
     if args.json:
         print(json.dumps({"model": asdict(shape), "gpu": acc.name, "n_gpus": gpus, "gpus_per_node": spec.gpus_per_node,
                           "batch_tokens": spec.global_batch_tokens, "usable_bytes": spec.usable_bytes,
-                          "fits": est.memory.peak_bytes <= spec.usable_bytes, "efficiency": spec.efficiency,
+                          "fits": est.memory.fit_bytes <= spec.usable_bytes, "efficiency": spec.efficiency,
                           "overlap": spec.overlap, "profile": args.profile, **est.as_dict()}, indent=1))
         return 0
     print(f"{args.model or 'custom model'} on {gpus} × {acc.name} ({spec.gpus_per_node} per node"
           f"{', links from ' + args.profile if args.profile else ''}), {spec.global_batch_tokens:,} tokens per step: "
           f"{layout.describe()}")
-    print(f"peak {est.memory.peak_bytes / GiB:.2f} GiB per GPU ({spec.usable_bytes / GiB:.1f} usable: "
-          f"{'fits' if est.memory.peak_bytes <= spec.usable_bytes else 'does NOT fit'}); "
+    mem = est.memory
+    fits = mem.fit_bytes <= spec.usable_bytes
+    verdict = "fits" if fits else "does NOT fit" + ("" if mem.fit_moment == "step" else f": {mem.fit_description()}")
+    print(f"peak {mem.peak_bytes / GiB:.2f} GiB per GPU ({spec.usable_bytes / GiB:.1f} usable: {verdict}); "
           f"step {est.step_s:.3f} s; {est.tokens_per_s_per_gpu:,.0f} tokens/s/GPU; MFU {est.mfu:.1%}")
+    print(start_line(layout, mem))
     print(step_table(est))
     for reason in est.reasons[2:]:
         print(f"   - {reason}")
@@ -355,39 +373,6 @@ def run_estimate(args) -> int:
               "measured; published fp8 runs came out 1.05-1.3x slower than this predicts: read it as an upper "
               "bound (docs/planning.md)")
     return 0
-
-
-def _seconds(value: float) -> str:
-    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.3f} s"
-
-
-def step_table(est) -> str:
-    """The step as a table: compute, each collective (its time and what of it shows), the bubble."""
-    rates = "the rates bench comm measured" if est.measured_kernels else "memory bandwidth"
-    rows = [["compute", f"matmuls and attention at {est.efficiency:.0%} of peak"
-             + (f", slowest stage ×{est.stage_imbalance:.2f}" if est.stage_imbalance > 1 else ""),
-             "", "", "", "", _seconds(est.compute_s), f"{est.compute_s / est.step_s:.1%}"],
-            ["elementwise", f"norms, residuals, rotary, SwiGLU, loss: bytes at {rates}", "", "", "", "",
-             _seconds(est.elementwise_s), f"{est.elementwise_s / est.step_s:.1%}"]]
-    if est.core_share > 1:
-        for row in rows:
-            row[1] += f", ×{est.core_share:.2f} for ranks sharing cores"
-    for c, exposed in zip(est.collectives, est.exposed, strict=True):
-        hidden = f"hidden by {c.hidden_by}" if c.hidden_by else "exposed"
-        rows.append([f"{c.axis} {c.op}", c.what, f"{c.group}" + (" (nodes)" if c.spans_nodes else ""),
-                     f"{c.calls:g}", human(c.nbytes, "B"), f"{_seconds(c.seconds)}, {hidden}", _seconds(exposed),
-                     f"{exposed / est.step_s:.1%}"])
-    if est.bubble_s:
-        rows.append(["pipeline bubble", f"{est.layout.pp_schedule}, {est.layout.grad_accum} micro-batches", "", "", "",
-                     "", _seconds(est.bubble_s), f"{est.bubble_s / est.step_s:.1%}"])
-    if est.offload_s:
-        rows.append(["host offload", f"activations to the host and back at {est.memory.host_activations / GiB:.1f} "
-                     "GiB a micro-batch, host link (PCIe)", "", "", "", f"{_seconds(est.offload_s)}, overlapped",
-                     _seconds(est.offload_exposed_s), f"{est.offload_exposed_s / est.step_s:.1%}"])
-    rows.append(["optimizer step", f"model states read and written at {rates}", "", "", "", "",
-                 _seconds(est.optimizer_s), f"{est.optimizer_s / est.step_s:.1%}"])
-    rows.append(["step", "", "", "", "", "", _seconds(est.step_s), "100%"])
-    return table(["term", "what", "group", "calls", "per call", "time", "on the step", "share"], rows)
 
 
 def run_search(args) -> int:

@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", default="roles",
                         help="roles (default: one rank per distinct role), all, or a list such as 0,5,8-11")
     parser.add_argument("--json", action="store_true",
-                        help="print JSON: per rank peak_bytes (measured), planned_peak_bytes, flops, planned_flops, "
+                        help="print JSON: per rank peak_bytes (measured), planned_peak_bytes, start_peak_bytes "
+                             "(measured from meta to the first step), planned_start_bytes, flops, planned_flops, "
                              "bytes_by_op, collectives; and collective_check")
     parser.epilog = "config fields (default):\n" + describe_fields(Config)
     parser.set_defaults(_accepts_overrides=True)
@@ -73,6 +74,10 @@ def _print(result: dict) -> None:
                      f"{r['planned_flops'] / 1e12:.4g}", f"{r['flops_ratio']:.3f}", f"{r['wall_s']:.1f}",
                      gib(r["host_rss_bytes"])])
     print(table(header, rows))
+    for r in result["ranks"]:
+        print(f"rank {r['rank']}: start (meta → parallelize → materialize → initialize): {gib(r['start_peak_bytes'])} "
+              f"GiB, planned {gib(r['planned_start_bytes'])} (ratio {r['start_ratio']:.3f}); a start from a "
+              f"checkpoint is planned at {gib(r['planned_load_bytes'])} GiB")
     for r in result["ranks"]:
         sent = ", ".join(f"{op} {human(b, 'B')}" for op, b in r["bytes_by_op"].items())
         print(f"rank {r['rank']}: {len(r['collectives'])} collectives: {sent}")

@@ -33,7 +33,8 @@ def config_toml(spec: SearchSpec, est: Estimate, preset: str | None = None) -> s
     header = [
         f"# Written by `ultratron plan search` for {spec.n_gpus} × {spec.accelerator.name}.",
         f"# Layout: {lay.describe()}",
-        f"# Estimated: {est.memory.peak_bytes / GiB:.1f} GiB per GPU, {est.step_s:.2f} s per step, "
+        f"# Estimated: {est.memory.fit_bytes / GiB:.1f} GiB per GPU at most (step or start), "
+        f"{est.step_s:.2f} s per step, "
         f"{est.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {est.mfu:.1%}.",
         f"# Launch: torchrun --nproc-per-node {min(spec.gpus_per_node, spec.n_gpus)} "
         f"--nnodes {max(1, spec.n_gpus // spec.gpus_per_node)} -m ultratron train --config THIS_FILE",

@@ -11,19 +11,21 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from ultratron.config.data import DataConfig
+from ultratron.config.init_from import adopt_init_from, chosen_fields
 from ultratron.config.loader import (
     apply_overrides,
     apply_tables,
-    build,
     choice_problems,
     did_you_mean,
     read_toml,
 )
+from ultratron.config.precision import TRAINER_PRECISION, resolve_precision
 from ultratron.config.training_rules import document_problems, fp8_problems, profile_problems, ramp_problems
 from ultratron.data.mixture_spec import parse_mixture
 from ultratron.errors import ConfigError
 from ultratron.fields import option, take_fields, taken_from
-from ultratron.models.presets import PRESETS, ModelShape
+from ultratron.models.presets import ATTENTION_BACKENDS, PRESETS, ModelShape
 from ultratron.planning.layout import PARALLEL_FIELDS, STEP_FIELDS, Layout, check_layout
 from ultratron.planning.rules import config_name, shape_problems, trainer_limits
 
@@ -49,6 +51,8 @@ class ModelConfig:
                                              "rest skip it (dropped); 0: dropless")
     norm_eps: float = option(1e-5, "RMSNorm epsilon")
     attn_softcap: float = option(0.0, "Gemma-2 attention-logit soft cap cap·tanh(x/cap); 0 disables")
+    attention: str = option("auto", "attention kernel: flex (FlexAttention; GPU, or CPU inference), sdpa, auto "
+                                    "(flex on a GPU for masks); docs/performance.md", choices=ATTENTION_BACKENDS)
     final_softcap: float = option(0.0, "Gemma-2 final-logit soft cap; 0 disables")
     init_std: float = option(0.02, "standard deviation of the initial weights")
     qkv_bias: bool = option(False, "biases on the query/key/value projections (Qwen2)")
@@ -58,8 +62,10 @@ class ModelConfig:
         factory=dict, help="rope_scaling's numbers: factor (linear, llama3); low_freq_factor, high_freq_factor, "
                            "original_max_position_embeddings (llama3)")
     init_from: str | None = option(None, "start from these weights at step 0 (a checkpoint or run directory, e.g. "
-                                         "what `ultratron import hf` wrote); its tokenizer is used unless "
-                                         "data.tokenizer is set, and the shape fields must match it")
+                                         "what `ultratron import hf` wrote; under LoRA the frozen model). Its "
+                                         "config.toml gives the model fields not set by --config or --model.X (the "
+                                         "shape, RoPE, norms, max_seq_len; a shape field set otherwise is refused), "
+                                         "and its tokenizer is used unless data.tokenizer is set")
 
 
 @dataclass
@@ -77,9 +83,9 @@ class ParallelConfig:
                                        minimum=1.0)
 
 
-# The layout's step fields (defined in planning/layout.py) with the trainer's defaults: a CPU demo.
+# The layout's step fields (defined in planning/layout.py) with the trainer's defaults (precision: auto)
 @dataclass
-@take_fields(Layout, STEP_FIELDS, after="batch_tokens", micro_batch_size=8, seq_len=256, precision="fp32")
+@take_fields(Layout, STEP_FIELDS, after="batch_tokens", micro_batch_size=8, seq_len=256, **TRAINER_PRECISION)
 class TrainingConfig:
     """`micro_batch_size`, `seq_len`, `precision`, `fp8_scaling`, `recompute`, `compile`, `loss_chunk` and
     `offload_activations` are the layout's (`planning.layout`);
@@ -119,44 +125,6 @@ class OptimConfig:
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.95, "AdamW beta2")
     eps: float = option(1e-8, "AdamW epsilon")
-
-
-@dataclass
-class DataConfig:
-    path: str | None = option(None, "none: the built-in corpus (this interpreter's standard library; with "
-                                    "data.format=chat the built-in conversation set); else a directory of text "
-                                    "files, a text file, JSONL with a text field (chat: a messages field), or a "
-                                    "prepared directory (tokenizer.json + train/ [+ val/], as `ultratron data run` "
-                                    "writes)")
-    tokenizer: str | None = option(None, "a tokenizer.json to load instead of training one")
-    held_out_fraction: float = option(0.05, "share of files kept for validation, chosen by file hash")
-    max_bytes: int = option(0, "stop reading the corpus after this many bytes; 0 reads everything")
-    cache_dir: str | None = option(None, "where tokenizer and shards go; default RUN_DIR/data")
-    extensions: str = option(".py,.txt,.md,.rst,.jsonl,.json", "files read from a directory")
-    sources: list[str] = option(factory=list, help="a mixture: NAME=PREPARED_DIR entries (each a tokenizer.json + "
-                                                   "train/ [+ val/], one shared tokenizer); replaces data.path")
-    weights: dict[str, float] = option(factory=dict, help="the mixture's weights, NAME=WEIGHT (normalised; "
-                                                          "default: equal)")
-    schedule: list[str] = option(factory=list, help="weights over training tokens: points 'TOKENS NAME=W NAME=W "
-                                                    "...', linear in between, held after the last")
-    exhausted: str = option("repeat", "a mixture source that runs out: repeat it (counted in metrics) or stop the run",
-                            choices=("repeat", "stop"))
-    format: str = option("text", "text: plain documents, every token counts in the loss; chat: JSONL of "
-                                 "{\"messages\": [{\"role\", \"content\"}, ...]} rendered with the model's chat "
-                                 "template, packed whole into sequences, the loss on the assistant turns only",
-                         choices=("text", "chat"))
-    document_masking: str = option("auto", "attention stays within each packed document and positions restart at "
-                                           "each (auto: on for chat, off for text)", choices=("auto", "on", "off"))
-
-    @property
-    def documents(self) -> bool:
-        """Whether packed documents are masked from each other (data.document_masking resolved)."""
-        return self.document_masking == "on" or (self.document_masking == "auto" and self.format == "chat")
-
-    @property
-    def masked_targets(self) -> bool:
-        """Whether some targets may not count in the loss (chat's non-assistant turns, document ends)."""
-        return self.format == "chat" or self.documents
 
 
 @dataclass
@@ -294,18 +262,24 @@ class Config:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 base: Config | None = None) -> Config:
-    """Read a TOML file (optional), apply dotted overrides, fill preset fields and validate."""
-    if base is None:
-        cfg = build(Config, path, overrides)
-    else:
-        cfg, problems = base, []
-        if path is not None:
-            apply_tables(cfg, read_toml(path), problems, source=str(path))
-        apply_overrides(cfg, overrides or [], problems)
-        if problems:
-            raise ConfigError(problems)
-    resolve_model(cfg.model)
-    validate(cfg)
+    """Read a TOML file (optional) onto `base` or the defaults, apply dotted overrides, give the model
+    fields the user did not set model.init_from's (config/init_from.py), fill preset fields and validate."""
+    cfg, problems = base or Config(), []
+    data = read_toml(path) if path is not None else {}
+    chosen = chosen_fields(path, data, overrides, base.model if base else None)
+    apply_tables(cfg, data, problems, source=str(path))
+    apply_overrides(cfg, overrides or [], problems)
+    if problems:
+        raise ConfigError(problems)
+    found = adopt_init_from(cfg.model, chosen)
+    resolve_precision(cfg.training)
+    try:
+        resolve_model(cfg.model)
+        validate(cfg)
+    except ConfigError as err:
+        raise ConfigError(found + err.problems) from None
+    if found:
+        raise ConfigError(found)
     return cfg
 
 

@@ -83,7 +83,4 @@ def document_problems(cfg) -> list[str]:
     if par.cp > 1 and par.pp > 1 and data.masked_targets:
         p.append(f"document masking or chat data ({settings}) does not yet work with both parallel.cp={par.cp} and "
                  f"parallel.pp={par.pp} (the pipeline loss does not weight cp shards by counted targets); use one")
-    if par.cp > 1 and data.documents and cfg.training.device == "cuda":
-        p.append(f"document masking ({settings}) with parallel.cp={par.cp} runs on CPU only so far (the CUDA "
-                 "kernel's attention bias is not wired in); use cp=1, training.device=cpu or data.document_masking=off")
     return p

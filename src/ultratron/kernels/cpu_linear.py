@@ -122,12 +122,12 @@ def probe() -> str | None:
     return None
 
 
-def apply_cpu_linear(model: nn.Module, mode: str, tp: int) -> nn.Module:
+def apply_cpu_linear(model: nn.Module, mode: str, tp: int, device: torch.device | None = None) -> nn.Module:
     """With `mode` onednn, the bias-free `nn.Linear` layers of a CPU model become `OneDNNLinear`
     (a ConfigError says why where they cannot); with aten the model is left as it is."""
     if mode == "aten":
         return model
-    if next(model.parameters()).device.type != "cpu":
+    if (device if device is not None else next(model.parameters()).device).type != "cpu":
         problem = "the model is not on a CPU"
     elif tp > 1:
         problem = "tensor parallel runs its linear layers on DTensors"

@@ -94,3 +94,5 @@ class PlanningSpec:
     count_params: Callable[[object], ParamCounts]  # model fields → its parameters by part
     # (model fields, sequence length) → model FLOPs per trained token (forward + backward, no recompute)
     flops_per_token: Callable[[object, int], float]
+    # (model fields, sequence length) → attention's share of flops_per_token (the planner's attention time)
+    attention_flops_per_token: Callable[[object, int], float]

@@ -19,6 +19,8 @@ import math
 import torch
 from torch import nn
 
+from ultratron.models.init import InitRule, fill
+
 ADAPTERS = ("lora_a", "lora_b")  # the adapters' names on their linear layer
 ADAPTER_SUFFIXES = tuple("." + name for name in ADAPTERS)
 LORA_FILE = "lora.json"  # in a checkpoint of adapters: their shape and the checkpoint of the model under them
@@ -40,7 +42,9 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets: list[str], la
         weight = module.weight
         module.lora_a = nn.Parameter(torch.empty(rank, module.in_features, device=weight.device, dtype=weight.dtype))
         module.lora_b = nn.Parameter(torch.zeros(module.out_features, rank, device=weight.device, dtype=weight.dtype))
-        nn.init.kaiming_uniform_(module.lora_a, a=math.sqrt(5))
+        if not weight.is_meta:  # as the materializer draws it (`parallel/materialize.py`) on a meta model
+            fill(module.lora_a, adapter_init_rule(f"{name}.lora_a", module.lora_a.shape), f"{name}.lora_a",
+                 module.lora_a.shape, seed=torch.initial_seed())
         module.lora_scale = alpha / rank
         module.register_forward_hook(_add_adapter)
         adapted.append(name)
@@ -49,6 +53,14 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets: list[str], la
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
     return adapted
+
+
+def adapter_init_rule(name: str, shape) -> InitRule:
+    """How an adapter is drawn (`models/init.py`): A as `nn.init.kaiming_uniform_(a=√5)` draws a linear
+    layer's weight, uniform within ±1/sqrt(in_features); B zero, so the adapted model starts as the model."""
+    if name.endswith(".lora_b"):
+        return InitRule.constant(0.0)
+    return InitRule.uniform(1.0 / math.sqrt(shape[-1]))
 
 
 def lora_reference(cfg) -> str:

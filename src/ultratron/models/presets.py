@@ -9,6 +9,7 @@ from ultratron.models.specs import DEFAULT as DEFAULT_FAMILY
 from ultratron.models.specs import SPECS as FAMILIES
 
 ROUTER_SCORES = ("softmax", "sigmoid")
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa")  # model.attention (models/attention.py)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,10 @@ class ModelShape:
     max_seq_len: int = option(help="longest sequence (RoPE table size)", minimum=1)
     head_dim: int = option(0, "attention head width; 0: dim / n_heads (Qwen3: 128 at width 2048, 32 heads)")
     qk_norm: bool = option(False, "RMSNorm on queries and keys per head (OLMo 2, Gemma 3, Qwen3)")
+    sliding_window: int = option(0, "sliding-window attention: a query sees at most this many keys, itself "
+                                    "included (Mistral 7B: 4096); 0: every earlier key", minimum=0)
+    sliding_window_pattern: int = option(0, "with sliding_window: every N-th layer attends fully, the others "
+                                            "through the window (Gemma 2: 2); 0: every layer windowed", minimum=0)
     # Mixture of experts (models/moe.py); 0 experts: every layer has the dense SwiGLU of ffn_dim.
     n_experts: int = option(0, "mixture of experts: routed experts per layer; 0: dense SwiGLU layers")
     n_active_experts: int = option(0, "routed experts each token goes to (top-k)")

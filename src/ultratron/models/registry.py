@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ultratron.models import specs
@@ -32,11 +33,14 @@ class Family:
     plan: ParallelPlan
     hf: HFAdapter
     spec: PlanningSpec
+    init_rule: Callable  # (parameter name in the whole model, its shape, args) → how initialization draws it
+    init_buffers: Callable[[nn.Module], None]  # a materialized model's (or stage's) buffers made again
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", (llama.Llama, llama_plan.LlamaStage), llama.build_model, lambda model: model.args,
-                    llama_plan.PLAN, llama_hf.ADAPTER, specs.SPECS["llama"]),
+                    llama_plan.PLAN, llama_hf.ADAPTER, specs.SPECS["llama"],
+                    llama.init_rule, llama.init_buffers),
 }
 
 
@@ -62,6 +66,18 @@ def unwrap(model):
             return model
 
 
+# Prefixes that wrappers leave in parameter names (activation checkpointing, torch.compile, DDP); the
+# checkpoint wrapper's first, since it ends with DDP's
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name as the plain model knows it, without wrapper prefixes."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def family_of(model) -> Family | None:
     inner = unwrap(model)
     return next((fam for fam in FAMILIES.values() if isinstance(inner, fam.classes)), None)
@@ -70,6 +86,39 @@ def family_of(model) -> Family | None:
 def build_model(model_cfg, device="cpu") -> nn.Module:
     """The model a (resolved) ModelConfig describes, by its family. `device="meta"`: shapes, no memory."""
     return family(getattr(model_cfg, "family", None)).build(model_cfg, device)
+
+
+def materialize(model: nn.Module, device: torch.device | str, also: list[nn.Module] = ()) -> None:
+    """Storage on `device` for every parameter and buffer of `model` (each parameter's local shard)
+    and for the buffers of `also` (modules that share the model's parameters, e.g. pipeline stages);
+    the buffers are made again by the model's family. The parameters hold no values yet."""
+    def empty(tensor: torch.Tensor) -> torch.Tensor:
+        if type(tensor) in (torch.Tensor, nn.Parameter):  # from its shape: no fake copy of the meta tensor
+            return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+        return torch.empty_like(tensor, device=device)  # a DTensor: storage for its local shard
+
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}  # a parameter → every module attribute holding it
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((module, name))
+    model._apply(empty)
+    for module in also:
+        module._apply(empty, recurse=False)
+    for (first, first_name), *others in holders.values():  # a tied weight stays one tensor
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
+    family = family_of(model)
+    for module in (model, *also):
+        (family_of(module) or family).init_buffers(module)
+
+
+def build_empty(model_cfg, device="cpu") -> nn.Module:
+    """The model a ModelConfig describes with storage on `device` but no values: built on the meta
+    device and materialized, for a checkpoint load that fills every parameter (one process)."""
+    model = build_model(model_cfg, "meta")
+    materialize(model, device)
+    return model
 
 
 def model_args(model):

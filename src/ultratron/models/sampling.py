@@ -7,6 +7,15 @@ import torch
 from ultratron.models.registry import model_args
 
 
+def keep_top_k(scores: torch.Tensor, k: int | None) -> torch.Tensor:
+    """`scores` (vocab,) with all but the k highest set to -inf (ties with the k-th kept); k ≤ 0 or
+    None: all of them (OpenAI's top_k is absent, vLLM's -1 means off)."""
+    if not k or k <= 0 or k >= scores.shape[-1]:
+        return scores
+    kth = torch.topk(scores, k).values[..., -1:]
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
 @torch.no_grad()
 def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.8,
              top_k: int = 50, stop_id: int | None = None, seed: int = 0, length_multiple: int = 1) -> list[int]:
@@ -29,10 +38,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: 
         if temperature <= 0:
             next_id = int(logits.argmax())
         else:
-            logits = logits / temperature
-            if top_k > 0:
-                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
+            logits = keep_top_k(logits / temperature, top_k)
             next_id = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
         if stop_id is not None and next_id == stop_id:
             break

@@ -54,9 +54,19 @@ class MicroBatch:
         return loss if self.loss_weight is None else loss * self.loss_weight
 
     def to(self, device: torch.device) -> MicroBatch:
-        documents = None if self.documents is None else self.documents.to(device, non_blocking=True)
-        return replace(self, inputs=self.inputs.to(device, non_blocking=True),
-                       targets=self.targets.to(device, non_blocking=True), documents=documents)
+        documents = None if self.documents is None else to_device(self.documents, device)
+        return replace(self, inputs=to_device(self.inputs, device), targets=to_device(self.targets, device),
+                       documents=documents)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor on the device the step computes on. To a GPU from host memory it goes through
+    pinned (page-locked) memory, copied with `non_blocking`: the copy is a DMA on the current stream
+    that the host does not wait for (from pageable memory a "non-blocking" copy is staged and
+    synchronous). Torch's pinned allocator caches the buffers and keeps each until its copy is done."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def plain(value: torch.Tensor) -> torch.Tensor:
@@ -152,8 +162,10 @@ class Runner(Protocol):
         """A micro-batch's weight in the gradients backward accumulates (what a gradient injected in
         backward, such as the MoE balancing loss's, is scaled by)."""
 
-    def logits(self, batch: MicroBatch) -> torch.Tensor | None:
-        """The logits of one micro-batch, no gradients (None on a rank that computes none)."""
+    def eval_loss(self, batch: MicroBatch, loss: Loss) -> torch.Tensor | None:
+        """One micro-batch's cross-entropy (`loss`'s second value), forward only and no gradients,
+        through the forward the step runs — what it hands the loss, no more (None on a rank that
+        computes none)."""
 
     def train(self, mode: bool) -> None:
         """Training or evaluation mode for everything the runner runs."""
@@ -190,8 +202,8 @@ class Accumulation:
         return 1.0 / n_micro_batches
 
     @torch.no_grad()
-    def logits(self, batch: MicroBatch) -> torch.Tensor:
-        return self.forward(self.model, batch)
+    def eval_loss(self, batch: MicroBatch, loss: Loss) -> torch.Tensor:
+        return plain(loss(self.forward(self.model, batch), batch.targets)[1])
 
     def train(self, mode: bool) -> None:
         self.model.train(mode)

@@ -151,9 +151,10 @@ class ParallelDims:
         return work()
 
     # ---- process group and mesh -----------------------------------------------------------------
-    def init_distributed(self, device: torch.device) -> torch.device:
+    def init_distributed(self, device: torch.device, run_dir=None) -> torch.device:
         """Join the process group (gloo on CPU, nccl with one GPU per local rank) and build the mesh.
-        Returns the device this rank computes on. A no-op in one process."""
+        Returns the device this rank computes on. A no-op in one process. `run_dir`: where the NCCL
+        watchdog dumps the flight record on a timeout (RUN_DIR/flight, `faults.process_group_env`)."""
         if not self.distributed:
             return device
         if device.type == "cuda":
@@ -161,10 +162,9 @@ class ParallelDims:
             torch.cuda.set_device(device)
         self.started = time.time()  # failure reports older than this are an earlier attempt's
         if not dist.is_initialized():
-            faults.enable_flight_recorder()
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=self._store(),
-                                    rank=self.rank, world_size=self.world_size,
-                                    timeout=timedelta(seconds=self.timeout))
+            faults.enable_flight_recorder(device.type, run_dir)
+            dist.init_process_group(**process_group_args(device), store=self._store(), rank=self.rank,
+                                    world_size=self.world_size, timeout=timedelta(seconds=self.timeout))
             self.owns_process_group = True
         self.build_mesh(device.type)
         return device
@@ -184,7 +184,7 @@ class ParallelDims:
 
     def fail(self, err: BaseException, run_dir) -> None:
         """After training failed on this rank: its own error is reported to the other ranks, its flight
-        record written, its process groups destroyed (if it made them). A collective that broke
+        record written, its process groups aborted (if it made them). A collective that broke
         because of another rank becomes one error line naming that rank (raised from here)."""
         if not (self.distributed and dist.is_initialized()):
             return
@@ -298,6 +298,15 @@ class ParallelDims:
     def pp_group(self):
         """The process group of this rank's pipeline (one rank per stage), or None without pp."""
         return self.pp_mesh.get_group() if self.pp > 1 else None
+
+
+def process_group_args(device: torch.device) -> dict:
+    """`init_process_group`'s backend for the rank's device, and under NCCL the device itself
+    (`device_id`): the group binds its communicator to that GPU at once, instead of guessing it from
+    the rank at the first collective (and warning that it may hang if the guess is wrong)."""
+    if device.type == "cuda":
+        return {"backend": "nccl", "device_id": device}
+    return {"backend": "gloo"}
 
 
 def leave_process_group() -> None:

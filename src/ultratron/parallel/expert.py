@@ -113,8 +113,11 @@ class ShardedExperts:
     def __call__(self, tokens, choice, weights, keep, experts: GroupedExperts) -> torch.Tensor:
         if self.tp_group is not None:
             tokens, weights = _CopyToTP.apply(tokens, self.tp_group), _CopyToTP.apply(weights, self.tp_group)
-        token, slot, counts, sizes = sort_by_expert(choice, keep, experts.n_experts)
+        token, slot, counts = sort_by_expert(choice, keep, experts.n_experts)
         w1, w2, w3 = _local(experts.w1), _local(experts.w2), _local(experts.w3)
+        if self.ep > 1:  # all-to-all takes its split sizes on the host: one read per layer
+            sizes = moe_layer.counts_on_host(counts, choice.numel())
+            token, slot = token[:sum(sizes)], slot[:sum(sizes)]
         x = tokens[token]
         if self.ep > 1:
             received = torch.empty_like(counts)  # per sender, its slots for each local expert
@@ -128,9 +131,8 @@ class ShardedExperts:
             out = grouped_swiglu(x[order], per_expert, w1, w2, w3)[torch.argsort(order)]
             out = _AllToAll.apply(out, to_ranks, from_ranks, self.ep_group)
         else:
-            out = grouped_swiglu(x, sizes, w1, w2, w3)
-        out = out * weights.flatten()[slot].unsqueeze(-1).to(out.dtype)
-        out = torch.zeros_like(tokens).index_add(0, token, out.to(tokens.dtype))
+            out = grouped_swiglu(x, counts, w1, w2, w3)
+        out = moe_layer.combine(tokens, out, token, weights.flatten()[slot])
         return _ReduceFromTP.apply(out, self.tp_group) if self.tp_group is not None else out
 
 

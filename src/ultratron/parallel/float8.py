@@ -39,12 +39,12 @@ MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada Lovelace (8.9) and Hopper (9.0)
 
 
 def apply_float8(model: nn.Module, dims: ParallelDims, plan: ParallelPlan, precision: str,
-                 scaling: str) -> nn.Module:
+                 scaling: str, device: torch.device | None = None) -> nn.Module:
     """Under `precision` fp8, convert the blocks' linear layers to torchao's float8 training
     (`scaling`: tensorwise or rowwise); otherwise leave the model as it is."""
     if precision != "fp8":
         return model
-    device = next(model.parameters()).device
+    device = device if device is not None else next(model.parameters()).device  # where it will run
     emulate = device.type != "cuda"
     if not emulate:
         _check_capability(device)

@@ -10,8 +10,15 @@ correctness and for its accounting (`HostActivations.moved`), not for memory sav
 A storage saved twice within a block (one input of two ops, or views of one tensor) moves once.
 Under selective recompute the outputs the checkpoint keeps are held by the checkpoint's own cache,
 not by autograd, and stay put; under full recompute only each block's input is saved: offload and
-recompute compose (the same training), each keeping what the other leaves. On CUDA a storage that
-several saved tensors view is copied back for each (a cache of the device copy is left to do).
+recompute compose (the same training), each keeping what the other leaves. A storage several saved
+tensors view comes back once.
+
+The host buffers come from a pool (`PinnedPool`) that hands the same buffers out again at every
+micro-batch, pinned once, not allocated per tensor. Backward takes a block's storages back together
+when it first unpacks one of them, and at the same time starts the copy back of the block before it
+(whose backward runs next) on the side stream: one block ahead, so the copy overlaps the running
+block's backward instead of stalling it. On a CPU the same code runs without streams: the order of
+the fetches (`HostActivations.fetches`) and the pool's reuse are what tests/test_offload.py checks.
 
 The weights are the block's parameters as its forward sees them, taken as it starts (`hooks`), not
 when offload is applied: FSDP2 (ZeRO-2/3, applied after offload) swaps in gathered weights (bf16
@@ -30,6 +37,9 @@ gradients and the returned activations, while moved only the running block's com
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -39,54 +49,134 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ultratron.models.plan import ParallelPlan
 
 
+class PinnedPool:
+    """Host buffers for the moved storages, kept and handed out again by size: a block saves storages
+    of the same sizes at every micro-batch, so after the first step offload allocates nothing. Pinned
+    (page-locked) on CUDA, which is what makes the copies asynchronous DMAs; pinning is slow (a system
+    call per buffer), so it is done once per buffer, not once per tensor per step. On CUDA every copy
+    into or out of a buffer runs on the one side stream, so a buffer given back after its copy to the
+    device was issued is reused only after that copy, in stream order. `allocated`: buffers made."""
+
+    def __init__(self, pinned: bool):
+        self.pinned, self.free, self.allocated = pinned, {}, 0
+
+    def take(self, nbytes: int) -> torch.UntypedStorage:
+        kept = self.free.get(nbytes)
+        if kept:
+            return kept.pop()
+        self.allocated += 1
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned).untyped_storage()
+
+    def give(self, buffer: torch.UntypedStorage) -> None:
+        self.free.setdefault(buffer.nbytes(), []).append(buffer)
+
+
+class Moved:
+    """One storage moved to the host: its buffer until it is fetched back, then its device copy."""
+
+    __slots__ = ("host", "device", "nbytes", "returned", "storage")
+
+    def __init__(self, host, nbytes: int, storage: StorageWeakRef):
+        self.host, self.device, self.nbytes, self.returned, self.storage = host, None, nbytes, False, storage
+
+
+class Group:
+    """The storages one block's forward moved, fetched back together when its backward starts. It lives
+    as long as autograd keeps the block's saved tensors (their unpack hook holds it)."""
+
+    def __init__(self, index: int):
+        self.index, self.moved, self.fetched, self.ready = index, [], False, None
+
+
 class HostActivations:
     """The hooks and their accounting: `moved` bytes copied to the host since the last `reset`,
-    `on_host` bytes there now (the most at once: `peak_on_host`), `returned` bytes copied back."""
+    `on_host` bytes there now (the most at once: `peak_on_host`), `returned` bytes copied back;
+    `fetches` the (group, ahead) of each block's copy back, in order: ahead when it was prefetched
+    while the block after it ran backward."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.stream = None
+        self.stream = self.pool = None
+        self.groups = 0  # block forwards so far; the one before group i is group i - 1, while it lives
+        self.alive: weakref.WeakValueDictionary[int, Group] = weakref.WeakValueDictionary()
         self.reset()
 
     def reset(self) -> None:
         self.moved = self.returned = self.on_host = self.peak_on_host = 0
+        self.fetches: list[tuple[int, bool]] = []
 
-    # where the host copies go: None, the real host (pinned on CUDA; on a CPU a clone in the same
+    # where the host copies go: None, the real host (pinned on CUDA; on a CPU a copy in the same
     # memory); "meta" for `ultratron simulate`, whose fake device then frees what moved and allocates
     # it again when backward takes it back, as a GPU's memory would
     host_device: str | None = None
 
+    def _side(self, device: torch.device):
+        """The side stream the copies run on (CUDA), or None."""
+        if device.type != "cuda":
+            return None
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        return self.stream
+
     def _copy_to_host(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
         if self.host_device is not None:
             return torch.empty(storage.nbytes(), dtype=torch.uint8, device=self.host_device).untyped_storage()
-        if storage.device.type != "cuda":
-            return storage.clone()
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(storage.device)
-        self.stream.wait_stream(torch.cuda.current_stream(storage.device))
-        with torch.cuda.stream(self.stream):
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True).untyped_storage()
+        if self.pool is None:
+            self.pool = PinnedPool(pinned=storage.device.type == "cuda")
+        side = self._side(storage.device)
+        if side is None:
+            host = self.pool.take(storage.nbytes())
+            host.copy_(storage)
+            return host
+        side.wait_stream(torch.cuda.current_stream(storage.device))
+        with torch.cuda.stream(side):
+            host = self.pool.take(storage.nbytes())
             host.copy_(storage, non_blocking=True)
         # the device memory is not reused before the copy is done
-        torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).record_stream(self.stream)
+        torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).record_stream(side)
         return host
 
-    def _count_returned(self, record: list, host: torch.UntypedStorage) -> None:
-        if not record[1]:  # (a storage several saved tensors view comes back for each; counted once)
-            record[1] = True
-            self.returned += host.nbytes()
-            self.on_host -= host.nbytes()
+    def _fetch(self, group: Group, device: torch.device, ahead: bool) -> None:
+        """Copy a block's storages back to the device (on the side stream, on CUDA) and give their
+        buffers back to the pool."""
+        group.fetched = True
+        self.fetches.append((group.index, ahead))
+        side = self._side(device)
+        records = [r for r in group.moved if r.host is not None]
+        for record in records:  # allocated on the compute stream, which uses them
+            record.device = torch.UntypedStorage(record.nbytes, device=device)
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(device))  # (the memory may have been freed just now)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for record in records:
+                record.device.copy_(record.host, non_blocking=side is not None)
+                if side is not None:  # (written on the side stream: not reused before the copy is done)
+                    torch.empty(0, dtype=torch.uint8, device=device).set_(record.device).record_stream(side)
+                self.pool.give(record.host)
+                record.host = None
+            if side is not None:
+                group.ready = torch.cuda.Event()
+                group.ready.record(side)
+
+    def _count_returned(self, record: Moved) -> None:
+        if not record.returned:  # (a storage several saved tensors view comes back for each; counted once)
+            record.returned = True
+            self.returned += record.nbytes
+            self.on_host -= record.nbytes
 
     def hooks(self, block: nn.Module) -> torch.autograd.graph.saved_tensors_hooks:
         """For one forward of `block`, entered as it starts. Whole storages move, once per block forward
         however many saved tensors view them; a saved tensor comes back as the same view (offset, shape,
-        strides) of its storage's copy, so backward runs the same kernels on the same layouts."""
+        strides) of its storage's copy, so backward runs the same kernels on the same layouts. The
+        first tensor backward takes back fetches the block's storages, and the previous block's ahead."""
         # the weights as the block runs with them: under FSDP2 the gathered ones its pre-forward hook
         # (which runs before this one) has just swapped in, new storages at every gather
         constant = {_key(_local(t).untyped_storage()) for t in [*block.parameters(), *self.model.buffers()]}
-        # storage → [host copy, returned, a weak reference to the storage]: an address freed (its tensor
-        # moved) and reused within the block is a new storage, which the weak reference tells apart
-        moved: dict[int, list] = {}
+        # storage → its record: an address freed (its tensor moved) and reused within the block is a
+        # new storage, which the weak reference tells apart
+        moved: dict[int, Moved] = {}
+        group = self.alive[self.groups] = Group(self.groups)
+        self.groups += 1
 
         def pack(tensor: torch.Tensor):
             if isinstance(tensor, DTensor):  # (tensor parallel: its local shard moves, and comes back wrapped)
@@ -98,8 +188,9 @@ class HostActivations:
             if _key(storage) in constant or storage.nbytes() == 0:
                 return tensor
             key = _key(storage)
-            if key not in moved or moved[key][2].expired():
-                moved[key] = [self._copy_to_host(storage), False, StorageWeakRef(storage)]
+            if key not in moved or moved[key].storage.expired():
+                moved[key] = Moved(self._copy_to_host(storage), storage.nbytes(), StorageWeakRef(storage))
+                group.moved.append(moved[key])
                 self.moved += storage.nbytes()
                 self.on_host += storage.nbytes()
                 self.peak_on_host = max(self.peak_on_host, self.on_host)
@@ -113,21 +204,20 @@ class HostActivations:
                 _, local, mesh, placements, shape, stride = saved
                 return DTensor.from_local(unpack(local), mesh, placements, run_check=False, shape=shape, stride=stride)
             device, record, (dtype, offset, shape, stride) = saved
-            host = record[0]
             if self.host_device is not None:  # (simulate: values are not computed)
-                self._count_returned(record, host)
+                self._count_returned(record)
                 # (a fake storage made whole and viewed with set_ outlives its tensor: as_strided does not)
-                whole = torch.empty(host.nbytes() // dtype.itemsize, dtype=dtype, device=device)
+                whole = torch.empty(record.nbytes // dtype.itemsize, dtype=dtype, device=device)
                 return whole.as_strided(shape, stride, offset)
-            if device.type == "cuda":
-                if self.stream is not None:
-                    torch.cuda.current_stream(device).wait_stream(self.stream)
-                storage = torch.UntypedStorage(host.nbytes(), device=device)
-                storage.copy_(host, non_blocking=True)
-            else:
-                storage = host
-            self._count_returned(record, host)
-            return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
+            if not group.fetched:
+                self._fetch(group, device, ahead=False)
+            before = self.alive.get(group.index - 1)  # the block whose backward runs next: fetched now
+            if before is not None and not before.fetched:
+                self._fetch(before, device, ahead=True)
+            if group.ready is not None:
+                torch.cuda.current_stream(device).wait_event(group.ready)
+            self._count_returned(record)
+            return torch.empty(0, dtype=dtype, device=device).set_(record.device, offset, shape, stride)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 

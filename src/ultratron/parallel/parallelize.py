@@ -28,6 +28,7 @@ from ultratron.parallel.data import apply_data_parallel
 from ultratron.parallel.dims import ParallelDims
 from ultratron.parallel.expert import apply_expert_parallel
 from ultratron.parallel.float8 import apply_float8
+from ultratron.parallel.materialize import initialize, is_meta, materialize
 from ultratron.parallel.offload import HostActivations, apply_offload
 from ultratron.parallel.pipeline import split_model
 from ultratron.parallel.recompute import apply_recompute
@@ -56,16 +57,23 @@ class Parallel:
         return compiled_loss(loss_fn, enabled, sharded_logits=self.dims.tp > 1)
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg) -> Parallel:
+def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device | str | None = None,
+                starter=None) -> Parallel:
+    """Every axis applied to `model`. A model built on the meta device (`build_model(..., "meta")`)
+    comes back materialized on `device`, each rank holding only its shards, and initialized as one
+    process would be (`start`, or `starter(model, stages)` in its place: `ultratron simulate` starts
+    under fake tensors and measures it): FSDP2 shards the meta model before anything is allocated;
+    DDP, which copies rank 0's weights at construction, wraps the materialized one."""
     plan = plan_of(model)
+    meta = is_meta(model)
+    device = torch.device(device) if device is not None else (torch.device("cpu") if meta else device_of(model))
     if cfg.lora.rank > 0:  # before any axis: the adapters are the model's parameters from here on
         apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, plan.lora_targets)
-    axes = []
     pipeline = None
     if dims.pp > 1:
         model, pipeline = split_model(model, dims, cfg, plan)
-    model = apply_cpu_linear(model, cfg.training.cpu_linear, dims.tp)
-    model = apply_float8(model, dims, plan, cfg.training.precision, cfg.training.fp8_scaling)
+    model = apply_cpu_linear(model, cfg.training.cpu_linear, dims.tp, device)
+    model = apply_float8(model, dims, plan, cfg.training.precision, cfg.training.fp8_scaling, device)
     model, tensor = apply_tensor_parallel(model, dims, plan)
     model, expert = apply_expert_parallel(model, dims, plan)
     model, context = apply_context_parallel(model, dims, plan, cfg.parallel.cp_attention)
@@ -73,13 +81,25 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg) -> Parallel:
     model, host = apply_offload(model, cfg.training.offload_activations, plan)
     model = apply_compile(model, cfg.training.compile, plan)
     roots = pipeline.build_stages(model, plan) if pipeline is not None else None
+    starter = starter or (lambda part, stages: start(part, device, cfg.training.seed, stages))
+    sharded = dims.data_parallel > 1 and dims.uses_fsdp
+    if meta and not sharded:
+        starter(model, roots or [])  # DDP and replicate wrap real weights
     ignored = set(expert.params) if expert is not None else None
     model, data = apply_data_parallel(model, dims, cfg.training.precision, plan, roots, ignored=ignored)
+    if meta and sharded:
+        starter(model, roots or [])
     if pipeline is not None:
         pipeline.finish(model)
     replicas = apply_replicas(dims)  # across replica groups, outside everything a group does inside
     axes = [axis for axis in (data, tensor, pipeline, context, expert, replicas) if axis is not None]
     return Parallel(model, Axes(axes, model), dims, host)
+
+
+def start(model: nn.Module, device: torch.device, seed: int, stages: list[nn.Module]) -> None:
+    """The meta model's shards given storage on `device` and initialized (`parallel/materialize.py`)."""
+    materialize(model, device, also=stages)
+    initialize(model, seed)
 
 
 def device_of(model: nn.Module) -> torch.device:

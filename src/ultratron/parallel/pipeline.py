@@ -12,8 +12,9 @@ What PyTorch lacks and this file adds:
   * the tied embedding across the first and last stage: each keeps a copy, their gradients are
     summed after backward over the pair of ranks holding them (Megatron-LM's embedding group), so
     the copies stay equal, and the gradient norm counts the table once;
-  * a forward-only pass that runs any placement with any sequence length (validation and the
-    end-of-run sample), since torch's schedules fix the activation shapes when they start.
+  * a forward-only pass that runs any placement with any sequence length (validation, whose last
+    stage computes the step's loss on what the stage hands it, and the end-of-run sample), since
+    torch's schedules fix the activation shapes when they start.
 
 In a step (`PipelineAxis`): the micro-batches run through the schedule (`PipelineRunner`), which
 divides the gradients by their count after the last backward; the loss, known on the last stage,
@@ -191,10 +192,11 @@ def _recv(src: int, group, device: torch.device) -> torch.Tensor:
 
 @torch.no_grad()
 def forward_only(pipeline: Pipeline, dims: ParallelDims, tokens: torch.Tensor,
-                 documents: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The last stage's output (full logits, also under tensor parallel) on the rank that holds it,
-    None on the others: each stage runs where it lives and hands its activations to the next (the
-    packed `documents`, which every rank was given, go to every stage)."""
+                 documents: torch.Tensor | None = None, whole: bool = True) -> torch.Tensor | None:
+    """The last stage's output on the rank that holds it, None on the others: each stage runs where it
+    lives and hands its activations to the next (the packed `documents`, which every rank was given,
+    go to every stage). `whole`: gathered from the tp ranks (full logits, for sampling); else as the
+    stage made it (vocabulary-sharded logits, or the hidden states, for a loss)."""
     group, me = dims.pp_group, dims.pp_rank
     modules = dict(zip(pipeline.mine, pipeline.modules, strict=True))
     x = tokens
@@ -208,7 +210,7 @@ def forward_only(pipeline: Pipeline, dims: ParallelDims, tokens: torch.Tensor,
             _send(x, dist.get_global_rank(group, pipeline.ranks[stage + 1]), group)
     if not pipeline.holds_last:
         return None
-    return x.full_tensor() if isinstance(x, DTensor) else x
+    return x.full_tensor() if whole and isinstance(x, DTensor) else x
 
 
 def broadcast_from_last(value: torch.Tensor | None, pipeline: Pipeline, dims: ParallelDims, shape, dtype,
@@ -306,9 +308,10 @@ class PipelineRunner:
         return 1.0  # torch's schedule divides the gradients by the micro-batch count after backward
 
     @torch.no_grad()
-    def logits(self, batch: MicroBatch) -> torch.Tensor | None:
+    def eval_loss(self, batch: MicroBatch, loss: Loss) -> torch.Tensor | None:
         with self._positions(batch.positions):
-            return forward_only(self.pipeline, self.dims, batch.inputs, batch.documents)
+            out = forward_only(self.pipeline, self.dims, batch.inputs, batch.documents, whole=False)
+        return None if out is None else plain(loss(out, batch.targets)[1])
 
     def train(self, mode: bool) -> None:
         self.axis.part.train(mode)

@@ -2,8 +2,8 @@
 (`models/*/parallel_plan.py` says which layers are column- or row-parallel).
 
 The cross-entropy runs under `loss_parallel` on vocab-sharded logits, so the full (tokens × vocab)
-logits never exist on one rank. In eval mode the model returns full logits (sampling and
-validation read them like in one process).
+logits never exist on one rank: in training and in validation (the step's loss in eval mode). Any
+other forward in eval mode returns full logits (sampling and evaluation read them like in one process).
 
 LoRA's adapters (`models/lora.py`) are split as their base layer is, so that B A x comes out in the
 layout W x does: a column-parallel layer (its output features split) splits B (out × rank) along
@@ -20,9 +20,9 @@ and keeps only this rank's shard for backward, which all-gathers it again (Korth
 slots stay whole: docs/parallel.md). docs/parallel.md says why saved-tensor hooks and not a
 checkpoint policy or torch's `input_reshard`.
 
-In a step (`TensorAxis`): the training loss under `loss_parallel`; tp ranks hold the same tokens,
-so nothing is averaged over them; under sequence parallelism sampling pads its context to a
-multiple of tp (the activations between blocks are split along the sequence). A weight kept whole on
+In a step (`TensorAxis`): the training and validation loss under `loss_parallel`; tp ranks hold the
+same tokens, so nothing is averaged over them; under sequence parallelism sampling pads its context
+to a multiple of tp (the activations between blocks are split along the sequence). A weight kept whole on
 every tp rank but applied to a rank's share of the work (the norms under sequence parallelism, LoRA's
 unsplit adapter factors) gets its gradient as a partial sum (DTensor's `Partial`); after backward
 these are summed over the tp ranks in one all-reduce (as Megatron-LM all-reduces its
@@ -52,13 +52,6 @@ from ultratron.models.plan import ParallelPlan
 from ultratron.parallel.axis import Axis
 from ultratron.parallel.dims import ParallelDims
 
-
-def _gather_logits_in_eval(module: nn.Module, args, output):
-    if isinstance(output, DTensor) and not module.training:
-        return output.full_tensor()
-    return output
-
-
 # each adapter's dim of W's size: A (rank × in) has W's input features (dim 1), B (out × rank) its outputs (dim 0)
 _WEIGHT_DIM = {"lora_a": 1, "lora_b": 0}
 
@@ -79,7 +72,7 @@ def _parallelize_keeping_adapters(module: nn.Module, mesh, styles: dict) -> None
         for name, param in adapters.items():
             if split is not None:  # a layer tp leaves whole keeps whole adapters
                 place = Shard(_WEIGHT_DIM[name]) if split == Shard(_WEIGHT_DIM[name]) else Replicate()
-                param = nn.Parameter(distribute_tensor(param.detach(), mesh, [place]),
+                param = nn.Parameter(distribute_tensor(param.detach(), mesh, [place], src_data_rank=None),
                                      requires_grad=param.requires_grad)
             layer.register_parameter(name, param)
 
@@ -205,6 +198,11 @@ def _parallelize(module: nn.Module, mesh, plan: dict) -> None:
     """`plan` applied with its sequence all-gathers keeping only the shard (`_keep_shards`) and LoRA's
     adapters split as their layer (`_parallelize_keeping_adapters`)."""
     plan, later = _keep_shards(plan)
+    for style in (*plan.values(), *later.values()):
+        # every rank holds the same weights (or a meta model, whose shards are initialized where they
+        # land, parallel/materialize.py): each keeps its own slice, no scatter from rank 0
+        if hasattr(style, "src_data_rank"):
+            style.src_data_rank = None
     _parallelize_keeping_adapters(module, mesh, plan)
     for name, style in later.items():
         style._apply(module.get_submodule(name), mesh)
@@ -216,9 +214,24 @@ class TensorAxis(Axis):
     def __init__(self, dims: ParallelDims, model: nn.Module):
         self.sequence_multiple = dims.tp if dims.sp else 1
         self.model = model
+        self.in_step = False
 
+    @contextlib.contextmanager
     def step_context(self, training: bool):
-        return loss_parallel() if training else contextlib.nullcontext()
+        """Training's loss and validation's alike on the vocabulary-sharded logits (the model keeps
+        them sharded in eval mode too meanwhile)."""
+        self.in_step = True
+        try:
+            with loss_parallel():
+                yield
+        finally:
+            self.in_step = False
+
+    def gather_logits_in_eval(self, module: nn.Module, args, output):
+        """The model's forward hook: whole logits in eval mode outside a step (sampling, evaluation)."""
+        if isinstance(output, DTensor) and not module.training and not self.in_step:
+            return output.full_tensor()
+        return output
 
     def after_backward(self) -> None:
         """The gradients left as partial sums over the tp ranks, summed once (module docstring)."""
@@ -243,5 +256,6 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: ParallelPl
     for block in plan.blocks(model).values():
         _parallelize(block, dims.tp_mesh, block_plan(block))
     plan.tie_weights(model)
-    model.register_forward_hook(_gather_logits_in_eval)
-    return model, TensorAxis(dims, model)
+    axis = TensorAxis(dims, model)
+    model.register_forward_hook(axis.gather_logits_in_eval)
+    return model, axis

@@ -28,8 +28,9 @@ Two estimators:
   Recompute, as `parallel/recompute.py` runs it: *full* keeps each block's input r·T·h/g;
   *selective* (torch's selective checkpoint, MUST_SAVE matmul and attention outputs) keeps the
   block input, the matmul outputs p·T·(h/t + 2kv/t + 2f/t + 2h) — wo and w2 give full-width
-  partial sums under tp — and attention's output and log-sum-exp; the rest (norms, RoPE, casts,
-  weight copies, silu·mul) is recomputed in backward.
+  partial sums under tp — and attention's output and log-sum-exp, under sp also their reduce-
+  scatters' outputs 2·p·T·h/t; the rest (norms, RoPE, casts, weight copies, silu·mul, sp's
+  all-gathers) is recomputed in backward.
   The last stage keeps the final norm, the head's input, the loss's fp32 log-probabilities
   4·T·v/t, the int64 targets (twice under tp: loss_parallel keeps its own) and under pipeline
   parallelism the logits p·T·v/t (torch's stage holds its output until its backward; without pp
@@ -136,6 +137,8 @@ def per_op_layer_items(shape, layout, recompute: str | None = None) -> dict[str,
     if recompute == "selective":
         items = {"block input": block_input,
                  "matmul outputs": p * tokens * (w / t + 2 * kv / t + 2 * f / t + 2 * h), **attention_out}
+        if layout.sp and t > 1:  # wo's and w2's reduce-scatters, saved as the rank's shard
+            items["reduce-scatter outputs"] = 2 * p * tokens * h / t
         return _with_experts(items, "matmul outputs", shape, layout, recompute)
     items = {
         "norms": 2 * _norm(tokens / g, h, tokens / g, dt),
@@ -159,8 +162,9 @@ def _with_experts(items: dict[str, float], mlp: str, shape, layout, recompute: s
     """A mixture of experts' average layer: its MoE layers' routed slots (`planning.experts`) in
     place of the dense SwiGLU's share `mlp` (w1·x and w3·x under selective recompute, all four else).
     Under autocast's casts each matmul also keeps its own bf16 input and weight copy: the router's,
-    the k routed slots' and the shared experts' twice (w1, w3) instead of the dense w1/w3's, and
-    the rank's E/ep experts' weights instead of the dense MLP's. Under FSDP2 in bf16 the split
+    the k routed slots' once (cast once for the grouped matmuls of w1 and w3, `models/moe.py`) and
+    the shared experts' twice (w1, w3) instead of the dense w1/w3's, and the rank's E/ep experts'
+    weights instead of the dense MLP's. Under FSDP2 in bf16 the split
     experts (ep or tp > 1), which FSDP leaves alone, stay fp32: autocast copies them too."""
     share = moe_layer_share(shape)
     if not share:
@@ -173,7 +177,7 @@ def _with_experts(items: dict[str, float], mlp: str, shape, layout, recompute: s
     if dt.casts and recompute == "none":
         k, shared = field_of(shape, "n_active_experts"), field_of(shape, "n_shared_experts")
         experts, he = shape.n_experts, expert_ffn_dim_of(shape)
-        items["matmul inputs"] += share * p * tokens * h * (1 + 2 * k + 2 * shared - 2)
+        items["matmul inputs"] += share * p * tokens * h * (1 + k + 2 * shared - 2)
         weights = experts * h + 3 * h * he * (experts / layout.ep + shared) / t - 3 * h * shape.ffn_dim / t
         items["bf16 weight copies"] += share * 2 * weights
     elif recompute == "none" and layout.wrapper == "fsdp" and layout.precision == "bf16" and (layout.ep > 1 or t > 1):

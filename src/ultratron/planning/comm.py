@@ -148,7 +148,8 @@ def step_collectives(shape, layout, memory, net: Network) -> list[Collective]:
         # reductions and their gradients' 2 in backward; under sp backward gathers the two kept shards
         # again (`parallel.tensor.KeepSequenceShard`) or recompute runs those gathers again, and
         # recompute reruns the first of the block's two reductions (the second's output is not needed:
-        # the recomputation stops before it). The ends: the embedding's output reduced (sp: scattered,
+        # the recomputation stops before it), except a reduce-scatter under selective recompute, which
+        # keeps its output. The ends: the embedding's output reduced (sp: scattered,
         # and its gradient gathered) on the first stage; the head's input gathered, its gradient
         # reduced and under sp gathered again in backward on the last.
         again = layout.recompute != "none"
@@ -157,9 +158,11 @@ def step_collectives(shape, layout, memory, net: Network) -> list[Collective]:
             out.append(_collective(net, "tp", "all-gather", "activations per layer (2 forward, 2 backward, 2 again: "
                                    + ("recomputed" if again else "the kept shards") + ") and at the ends",
                                    activation, m * (layers * 6 + first + 2 * last), t, 1))
+            # selective recompute keeps the reduce-scatters' outputs (parallel/recompute.py): only full reruns one
+            rerun = layout.recompute == "full"
             out.append(_collective(net, "tp", "reduce-scatter", "activations per layer (2 forward, 2 backward"
-                                   + (", 1 recomputed" if again else "") + ") and at the ends", activation,
-                                   m * (layers * (4 + again) + first + last), t, 1))
+                                   + (", 1 recomputed" if rerun else "") + ") and at the ends", activation,
+                                   m * (layers * (4 + rerun) + first + last), t, 1))
         else:
             out.append(_collective(net, "tp", "all-reduce", "activations per layer (2 forward, 2 backward"
                                    + (", 1 recomputed" if again else "") + ") and at the ends", activation,

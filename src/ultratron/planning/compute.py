@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 
+from ultratron.models.specs import spec_of
 from ultratron.planning.activations import dtypes_of, layer_matmul_params
 from ultratron.planning.experts import is_moe, moe_layer_share
 from ultratron.planning.flops import flops_per_token_of
@@ -117,8 +118,8 @@ def compute_efficiency(shape, layout, peak: float, hbm: float, efficiency: float
     for m, k, n, count, rate_peak in products:
         flops += 3 * 2 * m * k * n * count
         seconds += 3 * matmul_seconds(m, k, n, rate_peak, hbm, p, efficiency) * count
-    # attention: 12·s·h per token per layer (as flops.py counts it), split over tp's heads
-    attention = 12 * shape.n_layers * shape.n_heads * head_dim_of(shape) * layout.seq_len * tokens / layout.tp
+    # attention: as the family's FLOPs formula counts it (sliding windows included), split over tp's heads
+    attention = spec_of(shape).attention_flops_per_token(shape, layout.seq_len) * tokens / layout.tp
     flops += attention
     rate = attention_efficiency(layout.seq_len / layout.cp) / MATMUL_EFFICIENCY if attention_table else 1.0
     seconds += attention / attention_flops if attention_flops else attention / (rate * efficiency * other_peak)

@@ -67,15 +67,19 @@ Peak: the larger of two moments (`MemoryBreakdown.peak_moment`).
   `step_temporaries`, no activations: torch's foreach AdamW (sharded or DTensor parameters)
   allocates an fp32 tensor per trained parameter for sqrt(v), the fused AdamW the trainer uses
   otherwise none; or DDP's bucket rebuild before the second step's forward.
+Start (`MemoryBreakdown.start_*`, from `meta` to the first step): `planning/start.py`. A layout fits
+when the larger of the step's peak and the start's (`fit_bytes`) does.
+
 What torch's allocator does not count is left to the search's headroom: the CUDA context, NCCL's
 own buffers (NCCL_BUFFSIZE, 4 MiB per channel and peer by default) and allocator fragmentation.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from ultratron.errors import UserError
+from ultratron.models.init_blocks import block_elements
 from ultratron.planning.activations import (
     ACTIVATION_MODELS,
     RECOMPUTE,
@@ -88,89 +92,17 @@ from ultratron.planning.activations import (
     loss_backward_bytes,
     per_op_layer_items,
 )
+from ultratron.planning.breakdown import GiB, MemoryBreakdown
 from ultratron.planning.experts import all_to_all_buffer_bytes, is_moe, routed_expert_params_per_layer
 from ultratron.planning.layout import Layout, check_layout
 from ultratron.planning.lora import adapter_params_per_layer
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import peak_in_flight, rank_stages, stage_ranks, stage_split
 from ultratron.planning.rules import field_of, head_dim_of, reduces_every_micro_batch
+from ultratron.planning.start import held_tensor_shapes, layer_tensor_shapes, rope_table_bytes, stored_chunk_elements
 
-GiB = 1024**3
 __all__ = ["ACTIVATION_MODELS", "RECOMPUTE", "GiB", "MemoryBreakdown", "estimate_memory", "estimate_memory_per_rank",
-           "layer_activation_bytes"]
-
-
-@dataclass
-class MemoryBreakdown:
-    """Bytes on the heaviest GPU (the first or last pipeline stage), term by term."""
-
-    parameters: float
-    gradients: float
-    grad_accum_buffer: float
-    master_weights: float
-    optimizer_states: float
-    activations: float
-    loss_logits: float  # the fp32 log-probabilities kept for the cross-entropy backward
-    comm_buffers: float
-    transient: float  # what backward briefly holds at its peak on top of the above (see the module doc)
-    stage: str  # "only", or the pipeline rank's stages: "first", "last", "first+last" or "middle"
-    extra: dict = field(default_factory=dict)
-    # of `gradients`, those alive at backward's peak: all of DDP's (its buckets stay), none of FSDP2's
-    # (made by the last micro-batch's reduce-scatter), one process's only once an earlier micro-batch made them
-    backward_gradients: float | None = None  # None: all of `gradients`
-    step_temporaries: float = 0.0  # the optimizer step's (or DDP's bucket rebuild's), no activations alive
-    # FSDP2's last reduce-scatter frees the unsharded accumulation as it makes the sharded gradients;
-    # Megatron-LM's fp32 main gradients are what the step reads
-    accum_at_step: bool = True
-    # offload_activations: the blocks' saved activations on the host (pinned CPU memory), not on the GPU;
-    # not one of TERMS (device bytes)
-    host_activations: float = 0.0
-
-    TERMS = ("parameters", "gradients", "grad_accum_buffer", "master_weights", "optimizer_states",
-             "activations", "loss_logits", "comm_buffers", "transient")
-
-    @property
-    def static_bytes(self) -> float:
-        return (self.parameters + self.gradients + self.grad_accum_buffer + self.master_weights
-                + self.optimizer_states)
-
-    @property
-    def backward_bytes(self) -> float:
-        """Backward's peak: every term, less the gradients not made yet."""
-        absent = 0.0 if self.backward_gradients is None else self.gradients - self.backward_gradients
-        return sum(getattr(self, term) for term in self.TERMS) - absent
-
-    @property
-    def step_bytes(self) -> float:
-        """The optimizer step: the static terms, every gradient made, the buffers and the step's temporaries."""
-        accum = 0.0 if self.accum_at_step else self.grad_accum_buffer
-        return self.static_bytes - accum + self.comm_buffers + self.step_temporaries
-
-    @property
-    def peak_moment(self) -> str:
-        return "step" if self.step_bytes > self.backward_bytes else "backward"
-
-    @property
-    def peak_bytes(self) -> float:
-        return max(self.backward_bytes, self.step_bytes)
-
-    @property
-    def loss_share_bytes(self) -> float:
-        """The loss's share of the peak: what the peak would lose if the loss cost nothing — its kept
-        log-probabilities, and what its backward holds beyond the blocks' backward (0 where the loss's
-        backward is not the largest transient, or the optimizer step is the peak)."""
-        without = replace(self, loss_logits=0.0, transient=self.extra.get("transient_without_loss", self.transient))
-        return self.peak_bytes - without.peak_bytes
-
-    def as_dict(self) -> dict:
-        out = asdict(self)
-        out["static_bytes"] = self.static_bytes
-        out["backward_bytes"] = self.backward_bytes
-        out["step_bytes"] = self.step_bytes
-        out["peak_moment"] = self.peak_moment
-        out["peak_bytes"] = self.peak_bytes
-        out["loss_share_bytes"] = self.loss_share_bytes
-        return out
+           "heaviest_rank", "layer_activation_bytes", "layer_tensor_shapes", "stored_chunk_elements"]
 
 
 def _head_dim(shape) -> int:
@@ -262,6 +194,7 @@ class _Static:
     fused_adam: bool  # the fused AdamW (no temporaries); else torch's foreach AdamW
     backward_gradients: bool  # the gradients exist at backward's peak (see MemoryBreakdown.backward_gradients)
     accum_at_step: bool = True  # the accumulation buffer is alive at the optimizer step (not FSDP2's)
+    at_rest: float = 4.0  # the parameter as stored before the first forward (no gathered copy): the start's
 
 
 def _static(layout: Layout) -> _Static:
@@ -271,7 +204,8 @@ def _static(layout: Layout) -> _Static:
     earlier = layout.grad_accum > 1 or layout.pp > 1  # a micro-batch's backward ran before the peak's
     if layout.fp32_grad_accum and layout.precision == "bf16":  # the Megatron-LM convention
         by = lambda level: n if layout.zero >= level else 1
-        return _Static(2 / by(3), 0.0, 4 / by(2), 4 / by(1), 8 / by(1), False, layout.zero == 3 and n > 1, True, True)
+        return _Static(2 / by(3), 0.0, 4 / by(2), 4 / by(1), 8 / by(1), False, layout.zero == 3 and n > 1, True, True,
+                       at_rest=2 / by(3) + 4 / by(1))
     if wrapper == "fsdp":
         # torch's pipeline stages keep FSDP from resharding after backward until the step's last
         # micro-batch, so under pp ZeRO-3's parameters stay gathered too
@@ -290,7 +224,7 @@ def _static(layout: Layout) -> _Static:
         # simulate`, llama3-1b dp2 tp2 pp2 cp2, first rank: measured 4.95 GiB, planned 4.70 with them,
         # 4.30 without)
         return _Static(4 / n + gathered, 4 / n, accumulated, 0.0, 8 / n, False, not held, False,
-                       ((n == 1 or every_micro) and earlier) or layout.pp > 1, False)
+                       ((n == 1 or every_micro) and earlier) or layout.pp > 1, False, at_rest=4 / n)
     sharded = n if wrapper == "ddp" and layout.zero == 1 else 1
     fused = wrapper in ("none", "ddp") and sharded == 1 and layout.tp == 1
     # DDP's buckets stay from step to step; one process's gradients exist once an earlier micro-batch made them
@@ -393,6 +327,11 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
     optimizer_temporaries = 0.0 if st.fused_adam else 4 * static["optimizer_states"] / 8
     bucket_rebuild = 4 * (adapters if lora is not None else sharded) if st.ddp_buckets else 0.0
     between_steps = max(optimizer_temporaries, bucket_rebuild)
+    # the start (the module doc's "Start"): the shards at rest, the buffers, and initialization's two
+    # blocks or a load's largest stored chunk, over the tensors the rank holds a part of
+    held = held_tensor_shapes(shape, where)
+    init_block = max(held, key=block_elements)
+    stored = max(held, key=stored_chunk_elements)
     return MemoryBreakdown(
         **static,
         activations=activations,
@@ -403,6 +342,10 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
         step_temporaries=between_steps,
         accum_at_step=st.accum_at_step,
         host_activations=host,
+        start_shards=(sharded + adapters) * st.at_rest + experts * se.at_rest,
+        start_buffers=rope_table_bytes(shape, layout),
+        start_init_transient=2 * 4 * block_elements(init_block),
+        start_load_transient=4 * stored_chunk_elements(stored),
         stage=where.name,
         extra={"params_on_gpu": params, "pp_rank": where.rank, "stages": where.stages, "first": where.first,
                "last": where.last, "layers_on_stage": sum(where.layers), "layers_per_stage": where.layers,
@@ -411,7 +354,8 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
                "in_flight_micro_batches": in_flight, "activation_model": model,
                "data_parallel": layout.wrapper, "matmul_params_per_layer": layer_matmul_params(shape, t),
                "expert_params_on_gpu": experts, "all_to_all_bytes": all_to_all, "lora_params_on_gpu": adapters,
-               "transient_without_loss": without_loss},
+               "transient_without_loss": without_loss, "start_pp_rank": where.rank,
+               "largest_init_block_of": init_block, "largest_stored_tensor": stored},
     )
 
 
@@ -428,10 +372,22 @@ def estimate_memory_per_rank(shape, layout: Layout, activation_model: str = "per
     return [_rank_memory(shape, layout, where, activation_model, lora) for where in pipeline_ranks(shape, layout)]
 
 
+def heaviest_rank(ranks: list[MemoryBreakdown]) -> MemoryBreakdown:
+    """The pipeline rank with the largest step peak, its start terms those of the rank whose start is
+    the largest (extra["start_pp_rank"]; the first stage's embedding or the last's head, usually):
+    `fit_bytes` is then the most any rank must hold."""
+    heaviest = max(ranks, key=lambda m: m.peak_bytes)
+    start = max(ranks, key=lambda m: m.start_bytes)
+    return replace(heaviest, start_shards=start.start_shards, start_buffers=start.start_buffers,
+                   start_init_transient=start.start_init_transient, start_load_transient=start.start_load_transient,
+                   extra={**heaviest.extra, **{k: start.extra[k] for k in ("start_pp_rank", "largest_init_block_of",
+                                                                            "largest_stored_tensor")}})
+
+
 def estimate_memory(shape, layout: Layout, activation_model: str = "per-op", lora: tuple | None = None
                     ) -> MemoryBreakdown:
     """Bytes on the heaviest GPU for one training step; raises UserError for an impossible layout."""
     ranks = estimate_memory_per_rank(shape, layout, activation_model, lora)
-    heaviest = max(ranks, key=lambda m: m.peak_bytes)
+    heaviest = heaviest_rank(ranks)
     # offload: the host line is the most any rank puts on its host (the first pipeline stage, most in flight)
     return replace(heaviest, host_activations=max(m.host_activations for m in ranks))

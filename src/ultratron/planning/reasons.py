@@ -18,7 +18,8 @@ def reasons_for(spec, est, bubble_fraction: float) -> list[str]:
         f"fits: {mem.peak_bytes / GiB:.1f} GiB of {spec.usable_bytes / GiB:.1f} GiB usable "
         f"({spec.headroom:.0%} headroom) — model states {mem.static_bytes / GiB:.1f}, "
         f"activations {(mem.activations + mem.loss_logits) / GiB:.1f}, "
-        f"other {(mem.comm_buffers + mem.transient) / GiB:.1f}",
+        f"other {(mem.comm_buffers + mem.transient) / GiB:.1f}"
+        + ("" if mem.fit_moment == "step" else f"; it needs more to start: {mem.fit_description()}"),
         f"step {est.step_s:.2f} s = compute {est.compute_s:.2f} + elementwise {est.elementwise_s:.2f} "
         f"+ TP {est.tp_comm_s:.2f} "
         f"+ CP {est.cp_exposed_s:.2f} " + (f"+ EP all-to-all {est.ep_comm_s:.2f} " if est.ep_comm_s else "") +
@@ -38,7 +39,7 @@ def reasons_for(spec, est, bubble_fraction: float) -> list[str]:
         lighter = "selective" if lay.recompute == "full" else "none"
         if check_layout(spec.shape, replace(lay, recompute=lighter)):  # (selective: not with a split backward)
             lighter = "none"
-        need = estimate_memory(spec.shape, replace(lay, recompute=lighter), spec.activation_model).peak_bytes
+        need = estimate_memory(spec.shape, replace(lay, recompute=lighter), spec.activation_model).fit_bytes
         cost = "+1/3 compute" if lay.recompute == "full" else "~2% time"
         reasons.append(f"recompute={lay.recompute} ({cost}): with recompute={lighter} this layout needs "
                        f"{need / GiB:.1f} GiB" + (" and does not fit" if need > spec.usable_bytes else
@@ -47,14 +48,14 @@ def reasons_for(spec, est, bubble_fraction: float) -> list[str]:
         sharded = {1: "optimizer state", 2: "optimizer state and grads", 3: "all model states"}[lay.zero]
         lower = replace(lay, zero=lay.zero - 1)
         refused = check_layout(spec.shape, lower)  # (HSDP needs ZeRO 2 or 3)
-        need = 0.0 if refused else estimate_memory(spec.shape, lower, spec.activation_model).peak_bytes
+        need = 0.0 if refused else estimate_memory(spec.shape, lower, spec.activation_model).fit_bytes
         why = (f"the trainer refuses it: {refused[0]}" if refused else f"would need {need / GiB:.1f} GiB: "
                + ("does not fit" if need > spec.usable_bytes else "fits too"))
         reasons.append(f"ZeRO-{lay.zero} shards {sharded} over {lay.shard_group} ranks (ZeRO-{lay.zero - 1} {why})")
     for name, off, cost in (("offload_activations", False, f"{est.offload_exposed_s:.2f} s of host copies exposed"),
                             ("loss_chunk", 0, "the head's matmul again in backward")):
         if getattr(lay, name):
-            need = estimate_memory(spec.shape, replace(lay, **{name: off}), spec.activation_model).peak_bytes
+            need = estimate_memory(spec.shape, replace(lay, **{name: off}), spec.activation_model).fit_bytes
             reasons.append(f"{name}={getattr(lay, name)} ({cost}): without it this layout needs {need / GiB:.1f} GiB"
                            + (" and does not fit" if need > spec.usable_bytes else ", which fits too"))
     return reasons
@@ -109,8 +110,8 @@ def options_summary(spec, fitting: list, closest_with: dict) -> list[str]:
         elif option in closest_with:
             _, layout, mem = closest_with[option]
             host = spec.accelerator.host_memory_bytes
-            over = [f"{mem.peak_bytes / GiB:.1f} GiB on the GPU (of {spec.usable_bytes / GiB:.1f} usable)"] \
-                if mem.peak_bytes > spec.usable_bytes else []
+            over = [f"{mem.fit_description()} on the GPU (of {spec.usable_bytes / GiB:.1f} usable)"] \
+                if mem.fit_bytes > spec.usable_bytes else []
             if mem.host_activations > host:
                 over.append(f"{mem.host_activations / GiB:.1f} GiB of host memory per GPU (of "
                             f"{host / GiB:.0f})")

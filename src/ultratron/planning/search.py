@@ -20,6 +20,8 @@ Cost model (per optimizer step on the heaviest rank, every GPU busy in lock-step
             count) of the pipelined time, which includes each micro-batch's exposed transfers.
   step      (compute + elementwise + exposed tp, cp, ep, pp and FSDP gathers) × (1 + bubble) + exposed
             reductions + the optimizer step.
+A layout fits when the larger of its step's peak and its start's (planning.memory: from `meta` to the
+first step, fresh or from a checkpoint) fits in memory × (1 − headroom).
 Rank by tokens/s per GPU (the same order as MFU); ties go to the layout with less memory.
 """
 
@@ -30,6 +32,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ultratron.errors import UserError
+from ultratron.models.specs import spec_of
 from ultratron.planning.comm import ATTENTION, COMPUTE, LAST_BACKWARD, Collective, Link, Network, step_collectives
 from ultratron.planning.compute import (
     MATMUL_EFFICIENCY,
@@ -48,7 +51,7 @@ from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import LOOPED, SCHEDULES, SINGLE, stage_costs, stage_ranks, stage_split
 from ultratron.planning.pipeline import bubble_fraction as bubble_fraction_of
 from ultratron.planning.reasons import OPTIONS, options_summary, reasons_for, why_first
-from ultratron.planning.rules import head_dim_of, layout_problems, pipeline_problems, trainer_limits
+from ultratron.planning.rules import layout_problems, pipeline_problems, trainer_limits
 
 SELECTIVE_RECOMPUTE_OVERHEAD = 0.02
 
@@ -262,7 +265,6 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     hardware_factor = {"none": 1.0, "selective": 1.0 + SELECTIVE_RECOMPUTE_OVERHEAD, "full": 4 / 3}[
         layout.recompute]
     tokens = spec.global_batch_tokens
-    width = shape.n_heads * head_dim_of(shape)  # attention's
     efficiency = compute_efficiency(shape, layout, peak, acc.hbm_bw, spec.efficiency, acc.attention_table,
                                     bf16_peak=acc.flops.get("bf16"), attention_flops=acc.attention_flops)
     imbalance = stage_imbalance(shape, layout)
@@ -277,7 +279,7 @@ def estimate_step(spec: SearchSpec, layout: Layout, memory: MemoryBreakdown | No
     per_micro = compute / m
 
     collectives = step_collectives(shape, layout, memory, network_of(spec))
-    attention_share = 12 * shape.n_layers * width * layout.seq_len / model_flops_per_token
+    attention_share = spec_of(shape).attention_flops_per_token(shape, layout.seq_len) / model_flops_per_token
     overlap = 0.0 if acc.comm_uses_cores else spec.overlap  # gloo's threads need the cores compute runs on
     budgets = {LAST_BACKWARD: overlap * per_micro * 2 / 3, COMPUTE: overlap * compute,
                ATTENTION: overlap * compute * attention_share}
@@ -372,13 +374,14 @@ def _evaluate(spec: SearchSpec, keep=None):
             continue
         considered += 1
         memory = estimate_memory(spec.shape, layout, spec.activation_model)
-        if memory.peak_bytes > spec.usable_bytes or memory.host_activations > spec.accelerator.host_memory_bytes:
+        # the step's peak and the start's (from meta to the first step, fresh or from a checkpoint)
+        if memory.fit_bytes > spec.usable_bytes or memory.host_activations > spec.accelerator.host_memory_bytes:
             too_big += 1
-            if closest is None or memory.peak_bytes < closest[0]:
-                closest = (memory.peak_bytes, layout, memory)
+            if closest is None or memory.fit_bytes < closest[0]:
+                closest = (memory.fit_bytes, layout, memory)
             # the nearest to fitting among those using each option: the least over the device's and the
             # host's limits, in bytes
-            over = max(memory.peak_bytes - spec.usable_bytes, 0.0) + \
+            over = max(memory.fit_bytes - spec.usable_bytes, 0.0) + \
                 max(memory.host_activations - spec.accelerator.host_memory_bytes, 0.0)
             for option in OPTIONS:
                 if getattr(layout, option) and (option not in closest_with or over < closest_with[option][0]):
@@ -405,12 +408,22 @@ def _summary(spec: SearchSpec, fitting: list[Estimate], considered: int, too_big
         lines.append("nothing fits: no layout for these GPUs and this batch has " + ", ".join(
             f"{k}={v}" for k, v in spec.fixed.items()) + " under the trainer's rules")
         return lines
+    if closest is not None and closest.memory.fit_moment != "step":
+        # the closest layout needs more at its start than at its step (the module doc of planning.memory)
+        mem = closest.memory
+        lines.append(f"nothing fits: the closest, {closest.layout.describe()}, needs {mem.fit_description()}")
+        if mem.fit_moment == "load":
+            lines.append(f"a load reads each stored chunk its shard overlaps whole: a rank holding part of the "
+                         f"{'×'.join(map(str, mem.extra['largest_stored_tensor']))} tensor reads "
+                         f"{mem.start_load_transient / GiB:.1f} GiB however many GPUs share it; more GPUs do not "
+                         "help, a checkpoint stored in smaller chunks (saved sharded) does")
+        return lines
     min_gpus = math.ceil(states / spec.usable_bytes)
     lines.append(f"nothing fits: the model states alone are 16 bytes × {psi / 1e9:.1f}B params = "
                  f"{states / 1e9:,.0f} GB, {states / spec.n_gpus / GiB:.1f} GiB per GPU even fully sharded "
                  f"(ZeRO-3, TP or PP) over {spec.n_gpus} GPUs, before any activation")
     if closest is not None:
-        lines.append(f"closest: {closest.layout.describe()} needs {closest.memory.peak_bytes / GiB:.1f} GiB "
+        lines.append(f"closest: {closest.layout.describe()} needs {closest.memory.fit_description()} "
                      f"(model states {closest.memory.static_bytes / GiB:.1f} GiB)")
     lines.append(f"the model states alone need at least {min_gpus} GPUs of this kind; with activations, "
                  f"buffers and {spec.headroom:.0%} headroom, {spec.n_gpus} are not enough — add nodes")

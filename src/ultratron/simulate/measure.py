@@ -4,6 +4,8 @@ hooks: `tracker`), and the optimizer step's temporaries (`optimizer_step_bytes`)
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -96,6 +98,17 @@ def _attention_backward_flops(grad_out, query, key, value, *args, out_shape=None
     return 2 * _attention_flops(query, key, value)
 
 
+def _grouped_mm_flops(mat_a, mat_b, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of a grouped matmul (a mixture of experts' experts, `models/moe.py`; torch's counter has
+    no formula for it): every row of its groups times its group's matrix. (M, K) × (G, K, N) and the
+    batched (G, M, K) × (G, K, N): 2·K per output element; backward's weight gradient (K, M) × (M, N)
+    → (G, K, N), the groups cutting M: 2·K·M·N in all. Rows past the last group (dropped slots) count
+    too, as the planner counts a step without drops."""
+    if len(mat_a) == 2 and len(mat_b) == 2:
+        return 2 * mat_a[0] * mat_a[1] * mat_b[1]
+    return 2 * math.prod(out_shape) * mat_a[-1]
+
+
 class LocalFlops(TorchDispatchMode):
     """FLOPs of what this rank computes, by torch's own formulas (`torch.utils.flop_counter`).
     Unlike `FlopCounterMode`, which counts a DTensor op at its global shape, DTensor ops are let
@@ -110,7 +123,8 @@ class LocalFlops(TorchDispatchMode):
         self.registry = {**flop_registry,
                          aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_attention_flops),
                          aten._scaled_dot_product_flash_attention_for_cpu_backward:
-                             shape_wrapper(_attention_backward_flops)}
+                             shape_wrapper(_attention_backward_flops),
+                         aten._grouped_mm: shape_wrapper(_grouped_mm_flops)}
         self.total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -137,44 +137,6 @@ def _balanced_routing() -> None:
     moe.counts_on_host = balanced
 
 
-def _repoint(obj, renamed: dict, depth: int) -> None:
-    """Parameters an axis kept at parallelize time (the pipeline's tied copies) → the ones
-    `to_empty` put in their place."""
-    if depth == 0 or not type(obj).__module__.startswith("ultratron."):
-        return
-    for attr, value in list(vars(obj).items()):
-        if isinstance(value, torch.nn.Parameter) and id(value) in renamed:
-            setattr(obj, attr, renamed[id(value)])
-        elif isinstance(value, list) and any(isinstance(v, torch.nn.Parameter) for v in value):
-            setattr(obj, attr, [renamed.get(id(v), v) for v in value])
-        elif not isinstance(value, (torch.Tensor, torch.nn.Module)):
-            _repoint(value, renamed, depth - 1)
-
-
-def _materialize(parallel) -> None:
-    """Parameters and buffers → CPU fakes; the pipeline's stage modules hold buffers of their own."""
-    shared: dict[int, list] = {}  # a tied parameter (one object under two names) stays one: to_empty
-    for module in parallel.model.modules():  # from meta makes a new tensor per name
-        for name, param in module._parameters.items():
-            if param is not None:
-                shared.setdefault(id(param), []).append((module, name, id(param)))
-    parallel.model.to_empty(device="cpu")
-    renamed = {}
-    for refs in shared.values():
-        new = refs[0][0]._parameters[refs[0][1]]
-        for module, name, _ in refs[1:]:
-            module._parameters[name] = new
-        renamed[refs[0][2]] = new
-    for axis in parallel.axes:
-        _repoint(axis, renamed, depth=3)
-    modules = [module for axis in parallel.axes for module in getattr(getattr(axis, "pipeline", None), "modules", [])]
-    for module in modules:
-        for sub in module.modules():
-            for name, buf in list(sub._buffers.items()):
-                if buf is not None and buf.is_meta:
-                    sub._buffers[name] = torch.empty_like(buf, device="cpu")
-
-
 def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir: str, plant: dict | None = None,
                   steps: int = 2) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -182,6 +144,7 @@ def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir:
 
     from ultratron.models.registry import build_model
     from ultratron.parallel.axis import MicroBatch
+    from ultratron.parallel.materialize import initialize, materialize
     from ultratron.parallel.memory import measured_bytes
     from ultratron.parallel.parallelize import parallelize, topology
     from ultratron.training.optim import build_optimizer
@@ -205,7 +168,16 @@ def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir:
         dims.build_mesh("cpu")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     _stand_in_for_ddp()
-    parallel = parallelize(build_model(cfg.model, "meta"), dims, cfg)
+    start_tracker = memory_tracker()
+
+    def start_under_fake(model, stages) -> None:
+        """The trainer's start (materialize the rank's shards, initialize them) on fake tensors, measured."""
+        with fake, start_tracker:
+            materialize(model, "cpu", also=stages)
+            initialize(model, cfg.training.seed)
+
+    parallel = parallelize(build_model(cfg.model, "meta"), dims, cfg, "cpu", starter=start_under_fake)
+    start_peak = total(start_tracker.get_tracker_snapshot("peak"))
     host = parallel.host  # activation offload: its host copies on "meta", outside the device's bytes
     if host is not None:
         host.host_device = "meta"
@@ -221,7 +193,6 @@ def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir:
         return x, x
 
     with fake:
-        _materialize(parallel)
         optimizer = parallel.axes.wrap_optimizer(build_optimizer(parallel.model, cfg.optim))
         step = TrainStep(parallel, device, t.precision, t.z_loss, compile_loss=False, loss_chunk=t.loss_chunk)
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
@@ -262,7 +233,7 @@ def simulate_rank(overrides: list[str], config: str | None, rank: int, meta_dir:
     update = alive_at_update + update_extra
     peak = max(forward_backward, update)
     split = {**static, "activations_and_temporaries": peak - sum(static.values())}
-    return {"rank": rank, "peak_bytes": peak, "memory": split, "tracker": memory,
+    return {"rank": rank, "peak_bytes": peak, "start_peak_bytes": start_peak, "memory": split, "tracker": memory,
             "forward_backward_peak_bytes": forward_backward, "update_peak_bytes": update,
             "flops": flops.total, "collectives": recorder.calls,
             "bytes_by_op": bytes_by_op(recorder.calls), "build_s": built - started,

@@ -113,6 +113,10 @@ def simulate(config: str | None, overrides: list[str], ranks: str = "roles", pla
                             "planned_offloaded_bytes": planned.host_activations,
                             "planned": {term: getattr(planned, term) for term in planned.TERMS},
                             "peak_ratio": got["peak_bytes"] / planned.peak_bytes if planned.peak_bytes else None,
+                            # from meta to the first step: materialize and initialize (planning/start.py)
+                            "planned_start_bytes": planned.start_init_bytes,
+                            "planned_load_bytes": planned.start_load_bytes,
+                            "start_ratio": got["start_peak_bytes"] / planned.start_init_bytes,
                             "planned_flops": planned_flops,
                             "flops_ratio": got["flops"] / planned_flops if planned_flops else None})
     records = {r["rank"]: r["collectives"] for r in results}

@@ -193,11 +193,25 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
 MEMORY_DIR = "memory"
 
 
-def write_memory_peak(run_dir: Path, rank: int, device) -> None:
+def start_memory(device) -> dict:
+    """The peaks so far, taken once the model is built and its weights initialized or loaded, before
+    the first step (`start_` figures of RUN/memory/rank<r>.json): what starting a run holds."""
+    import resource
+
+    import torch
+
+    record = {"start_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+    if getattr(device, "type", "") == "cuda":
+        record["start_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    return record
+
+
+def write_memory_peak(run_dir: Path, rank: int, device, start: dict | None = None) -> None:
     """This rank's peak memory over the run, in RUN/memory/rank<r>.json (read by `ultratron bench
     sweep`): torch's allocator peaks on a GPU (`max_memory_allocated`, what `plan memory` predicts,
     and `max_memory_reserved`), and the process's peak resident set on any device (on a CPU the
-    only figure there is; it also holds Python, torch and the allocator's caches)."""
+    only figure there is; it also holds Python, torch and the allocator's caches); with `start`
+    (`start_memory`), the same peaks up to the first step."""
     import resource
 
     import torch
@@ -207,6 +221,7 @@ def write_memory_peak(run_dir: Path, rank: int, device) -> None:
     if getattr(device, "type", "") == "cuda":
         record |= {"peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
                    "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+    record |= start or {}
     path = Path(run_dir) / MEMORY_DIR / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_json(path, record)

@@ -70,6 +70,10 @@ class Reporter:
             if masked:
                 line += (f"; in the loss {record['loss_tokens']:,} tokens ({record['loss_tokens_total']:,} so far), "
                          f"{record['loss_tokens_per_sec']:,.0f}/s, mfu {record['loss_tokens_mfu']:.1%}")
+            if "data/fetched_bytes" in record:  # shards read from an object store (data/remote.py)
+                hits, asked = record["data/cache_hits"], record["data/cache_hits"] + record["data/cache_misses"]
+                fetched = record["data/fetched_bytes"] / 2**20
+                line += f"; data fetched {fetched:,.1f} MiB, cache hits {hits:,} of {asked:,}"
             self(line)
 
     def close(self) -> None:

@@ -11,10 +11,24 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 
 def rng_state() -> dict:
+    """The generators this process draws from: Python's, NumPy's, the CPU's, and its own GPU's only
+    (`torch.cuda.get_rng_state()` of the current device, one state). A state of every visible GPU
+    would tie the checkpoint to the node's GPU count: a resume that sees fewer GPUs could not set it."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def own_cuda_state(saved, device_index: int) -> torch.Tensor | None:
+    """This process's GPU generator state from what a checkpoint holds under "cuda": one state (this
+    format), or a list with one state per GPU visible to the rank that wrote it (checkpoints before
+    it). From a list, the entry at this process's device index, which is the GPU that rank computed
+    on (one GPU per local rank, the same index on a node of the same shape); None when the list has
+    no entry there (a resume on a node whose GPUs differ): the generator then keeps its seeding."""
+    if isinstance(saved, (list, tuple)):
+        return saved[device_index] if device_index < len(saved) else None
+    return saved
 
 
 def set_rng_state(state: dict) -> None:
@@ -22,7 +36,9 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        own = own_cuda_state(state["cuda"], torch.cuda.current_device())
+        if own is not None:
+            torch.cuda.set_rng_state(own)
 
 
 class TrainState(Stateful):

@@ -27,11 +27,12 @@ def as_micro_batch(batch: tuple) -> MicroBatch:
 
 
 @contextlib.contextmanager
-def hidden_out_in_training(models: list[nn.Module], precision: str, device: torch.device):
-    """Autocast, and a training-mode forward that returns the hidden states (evaluation keeps logits):
-    of the model, and of a pipeline's stage modules (views of it, which the schedule runs)."""
+def hidden_out_for_loss(models: list[nn.Module], scoring: Callable[[], bool], precision: str, device: torch.device):
+    """Autocast, and a forward that returns the hidden states wherever the step's loss follows it: in
+    training, and in validation's forward (`scoring()`); a forward for logits (sampling) keeps logits.
+    Of the model, and of a pipeline's stage modules (views of it, which the schedule runs)."""
     for model in models:
-        model.hidden_out = model.training
+        model.hidden_out = model.training or scoring()
     try:
         with autocast(precision, device):
             yield
@@ -48,26 +49,39 @@ def plain_head(model: nn.Module) -> bool:
 
 
 class TrainStep:
+    """One step's forward and backward, and validation's forward, through one loss: the whole-logits
+    cross-entropy (under tp on vocabulary-sharded logits), or with `loss_chunk` the chunked one on the
+    hidden states. Validation runs the step's forward and loss without backward (`eval_loss`), so it
+    never holds more than the step does: no whole logits, gathered or not, where the step has none."""
+
     def __init__(self, parallel: Parallel, device: torch.device, precision: str, z_loss: float,
                  compile_loss: bool = False, count_loss_tokens: bool = False, loss_chunk: int = 0):
         self.axes, self.device = parallel.axes, device
         self.count_loss_tokens, self.loss_tokens = count_loss_tokens, 0  # the last step's targets that counted
-        if loss_chunk > 0:  # the model hands over its hidden states in training; the loss makes the logits
+        self.scoring = False  # validation's forward is on: the model hands over what the loss takes
+        if loss_chunk > 0:  # the model hands over its hidden states; the loss makes the logits
             model = unwrap(parallel.model)
             plain = plain_head(model)
 
-            def train_loss_of(hidden, targets):
-                with autocast(precision, device):  # (the head's matmul as inside the forward)
-                    if plain:  # (the weight looked up each time: FSDP2 swaps in the gathered one)
-                        return linear_cross_entropy(hidden, model.output.weight, targets, z_loss, loss_chunk)
-                    return chunked_cross_entropy(hidden, model.head, targets, z_loss, loss_chunk)
+            def chunked(z: float):
+                def loss_of(hidden, targets):
+                    with autocast(precision, device):  # (the head's matmul as inside the forward)
+                        if plain:  # (the weight looked up each time: FSDP2 swaps in the gathered one)
+                            return linear_cross_entropy(hidden, model.output.weight, targets, z, loss_chunk)
+                        return chunked_cross_entropy(hidden, model.head, targets, z, loss_chunk)
+                return loss_of
 
+            # validation reports the cross-entropy alone (the loss's second value, the same with z-loss
+            # or without): it computes no z-loss
+            train_loss, self.validation_loss = chunked(z_loss), chunked(0.0)
             holders = [model]
-            self.runner = self.axes.runner(train_loss_of, lambda: hidden_out_in_training(holders, precision, device))
+            self.runner = self.axes.runner(
+                train_loss, lambda: hidden_out_for_loss(holders, lambda: self.scoring, precision, device))
             pipeline = getattr(self.runner, "pipeline", None)
             holders += pipeline.modules if pipeline is not None else []
             return
         train_loss = parallel.compiled_loss(cross_entropy, compile_loss)  # (validation's stays eager)
+        self.validation_loss = cross_entropy  # (no z-loss, as above)
         self.runner = self.axes.runner(lambda logits, targets: train_loss(logits, targets, z_loss),
                                        lambda: autocast(precision, device))
 
@@ -90,13 +104,17 @@ class TrainStep:
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None) -> float:
-        """The cross-entropy of one batch, no gradients (for validation): full logits in eval mode."""
+        """The cross-entropy of one batch, no gradients (for validation): the step's forward and loss
+        in eval mode — chunked, on vocabulary-sharded logits, on the last stage, as the step computes it."""
         self.runner.train(False)
         batch = self.axes.shard(MicroBatch(inputs, targets, documents=documents).to(self.device))
-        with self.axes.step_context(training=False):
-            logits = self.runner.logits(batch)
-        loss = batch.weighted(cross_entropy(logits, batch.targets)[1]) if logits is not None else \
-            torch.zeros((), device=self.device)
+        self.scoring = True
+        try:
+            with self.axes.step_context(training=False):
+                ce = self.runner.eval_loss(batch, self.validation_loss)
+        finally:
+            self.scoring = False
+        loss = batch.weighted(ce) if ce is not None else torch.zeros((), device=self.device)
         return float(self.axes.average_loss(loss, training=False))
 
     @property

@@ -29,11 +29,12 @@ from ultratron.planning.params import count_params_of
 from ultratron.training.batch_ramp import BatchSchedule
 from ultratron.training.checkpointing import CheckpointPolicy, with_init_tokenizer
 from ultratron.training.health import HealthMonitor
-from ultratron.training.metrics import write_memory_peak
+from ultratron.training.metrics import start_memory, write_memory_peak
 from ultratron.training.mfu import MfuMeter
 from ultratron.training.moe import RouterStats
 from ultratron.training.optim import build_optimizer, lr_at, set_lr
 from ultratron.training.periodic_eval import PeriodicEvaluator
+from ultratron.training.precision import configure_matmuls, settle_precision
 from ultratron.training.profiling import StepProfiler
 from ultratron.training.progress import Reporter
 from ultratron.training.stability import StabilityGuard
@@ -67,6 +68,9 @@ class TrainResult:
 class Trainer:
     def __init__(self, cfg: Config, echo: bool = True):
         self.cfg, t = cfg, cfg.training
+        self.start_memory: dict | None = None
+        device = pick_device(t.device)
+        settle_precision(t, device)  # (auto: bf16 on a GPU, fp32 on a CPU)
         self.dims = topology(cfg.layout, cfg.parallel.collective_timeout)
         self.run_dir = Path(cfg.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -75,7 +79,8 @@ class Trainer:
                             config=to_dict(cfg))
         if t.threads > 0:
             torch.set_num_threads(t.threads)
-        self.device = self.dims.init_distributed(pick_device(t.device))
+        self.device = self.dims.init_distributed(device, self.run_dir)
+        configure_matmuls(self.device)  # TF32 for fp32 matmuls on a GPU
         self.dims.watch(self.run_dir)  # SIGTERM writes this rank's last collectives to RUN_DIR/flight
         self.health = HealthMonitor(cfg, self.dims, self.device, self.run_dir, self.log)
         self.health.before_start(step=0)  # a failing GPU stops the run before any data is read
@@ -90,7 +95,9 @@ class Trainer:
                                         dp_rank=self.dims.dp_rank, dp_world=cfg.parallel.dp, seed=t.seed,
                                         exhausted=cfg.data.exhausted, documents=cfg.data.documents)
 
-        parallel = parallelize(build_model(cfg.model, self.device), self.dims, cfg)
+        # meta → parallelize → materialize this rank's shards → initialize (a resume or model.init_from
+        # then loads them in fit): no rank ever holds the whole model (parallel/materialize.py)
+        parallel = parallelize(build_model(cfg.model, "meta"), self.dims, cfg, self.device)
         self.model, self.axes = parallel.model, parallel.axes
         self.optimizer = self.axes.wrap_optimizer(build_optimizer(self.model, cfg.optim))
         self.batch = BatchSchedule.from_config(cfg)  # tokens per step: fixed, or a ramp
@@ -134,9 +141,16 @@ class Trainer:
         return files
 
     # ---- the loop ------------------------------------------------------------------------------
+    def _record_start_memory(self) -> None:
+        """The peaks of starting (built, loaded: no optimizer state exists yet), on record at once: a run
+        killed later, out of memory at its first step, still shows what its start held."""
+        self.start_memory = start_memory(self.device)
+        write_memory_peak(self.run_dir, self.dims.rank, self.device, start=self.start_memory)
+
     def fit(self) -> TrainResult:
         t = self.cfg.training
         self.checkpoints.resume()
+        self._record_start_memory()
         self.dims.barrier()  # every rank has resumed (and trimmed metrics) before rank 0 logs
         self._describe()
         first_val = val = self._validate(record_alone=True) if self.step == 0 else None
@@ -168,7 +182,7 @@ class Trainer:
             sample = self.sample() if self.step == total and t.sample_tokens > 0 else None
             self._log_loss_tokens()
         finally:
-            write_memory_peak(self.run_dir, self.dims.rank, self.device)
+            write_memory_peak(self.run_dir, self.dims.rank, self.device, start=self.start_memory)
             self.checkpoints.close()
             self.periodic.close()
             self.log.close()

@@ -1,6 +1,6 @@
 """The Llama family ↔ Hugging Face transformers: config.json fields and tensor names, both ways.
 
-Our decoder is, in transformers' terms, Llama (and Mistral without a sliding window), Qwen2 (q/k/v
+Our decoder is, in transformers' terms, Llama (and Mistral, its sliding window imported), Qwen2 (q/k/v
 biases), Qwen3 (QK-norm, a head width of its own), Mixtral (mixture of experts) or Qwen3-MoE
 (mixture of experts with QK-norm and dense first layers). Two conventions differ from ours:
 - RoPE: we rotate interleaved (even, odd) channel pairs; transformers rotates the two halves of each
@@ -67,7 +67,9 @@ def model_type(args: LlamaArgs) -> str:
         return "qwen3_moe" if args.qk_norm else "mixtral"
     if args.qk_norm:
         return "qwen3"
-    return "qwen2" if args.qkv_bias else "llama"
+    if args.qkv_bias:
+        return "qwen2"
+    return "mistral" if args.sliding_window else "llama"  # Mistral: Llama with a window on every layer
 
 
 # ---- weights ----------------------------------------------------------------------------------------
@@ -132,7 +134,8 @@ def _moe_config(args: LlamaArgs) -> dict:
     if model_type(args) == "mixtral":
         return {"intermediate_size": args.expert_ffn_dim or args.ffn_dim, "num_local_experts": args.n_experts,
                 "num_experts_per_tok": args.n_active_experts, "router_aux_loss_coef": args.moe_aux_loss,
-                "router_jitter_noise": 0.0, "output_router_logits": False, "sliding_window": None}
+                "router_jitter_noise": 0.0, "output_router_logits": False,
+                "sliding_window": args.sliding_window or None}
     return {"intermediate_size": args.ffn_dim, "moe_intermediate_size": args.expert_ffn_dim or args.ffn_dim,
             "num_experts": args.n_experts, "num_experts_per_tok": args.n_active_experts,
             "norm_topk_prob": args.router_norm_topk, "decoder_sparse_step": 1,
@@ -155,11 +158,16 @@ def hf_config(args: LlamaArgs) -> dict:
     }
     if kind in ("qwen3", "qwen3_moe"):
         config |= {"use_sliding_window": False, "sliding_window": None}
+    if kind == "mistral":
+        config["sliding_window"] = args.sliding_window
     return config | (_moe_config(args) if args.n_experts else {})
 
 
 def export_problems(args: LlamaArgs, state: dict) -> list[str]:
     """Every reason transformers' classes cannot hold the model (none: it exports)."""
+    if args.sliding_window and (args.sliding_window_pattern or model_type(args) not in ("mistral", "mixtral")):
+        return [f"cannot export model.sliding_window={args.sliding_window} to Hugging Face: only Mistral's and "
+                "Mixtral's window on every layer is written (no pattern, QK-norm or q/k/v biases)"]
     if args.n_experts:
         return _moe_problems(args, state)
     problems = []
@@ -269,9 +277,14 @@ def config_from_hf(hf: dict, max_seq_len: int | None = None) -> tuple[dict, list
         p.append(f"partial_rotary_factor={hf['partial_rotary_factor']}: ultratron rotates every channel")
     window = hf.get("sliding_window")
     uses_window = window is not None and (kind in ("mistral", "mixtral") or hf.get("use_sliding_window", False))
-    if uses_window and int(window) < context:
-        p.append(f"sliding_window={window} is shorter than the context ({context}): ultratron attends over the "
-                 f"whole context; import with --max-seq-len {window} (within the window the two are identical)")
+    full_layers = int(hf.get("max_window_layers", 0)) if kind not in ("mistral", "mixtral") else 0
+    if uses_window and int(window) < context and full_layers < n_layers:
+        if full_layers:  # Qwen2: the first max_window_layers attend fully, the rest through the window
+            p.append(f"sliding_window={window} on layers {full_layers}.. only (max_window_layers): ultratron's "
+                     f"windows are on every layer or every N-th full; import with --max-seq-len {window} "
+                     "(within the window the two are identical)")
+        else:
+            fields["sliding_window"] = int(window)  # on every layer (Mistral)
     if hf.get("quantization_config"):
         p.append("quantized weights (quantization_config): import an unquantized model")
     return fields, p

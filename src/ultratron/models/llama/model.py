@@ -19,7 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ultratron.models.moe import MoE
+from ultratron.models import init
+from ultratron.models.attention import attend
+from ultratron.models.init import InitRule
+from ultratron.models.llama.spec import layer_windows
+from ultratron.models.masks import MaskSpec, allowed, document_starts
+from ultratron.models.moe import MoE, Router
 
 
 @dataclass
@@ -52,6 +57,9 @@ class LlamaArgs:
     moe_aux_loss: float = 0.01
     moe_bias_update: float = 0.0
     moe_capacity_factor: float = 0.0
+    attention: str = "auto"  # the attention backend (models/attention.py): auto | flex | sdpa
+    sliding_window: int = 0  # keys a query sees at most (itself included); 0: every earlier key
+    sliding_window_pattern: int = 0  # N: every N-th layer attends fully, the others windowed; 0: all windowed
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.dim // self.n_heads
@@ -68,35 +76,39 @@ class LlamaArgs:
 
 def document_layout(documents: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed documents (batch, seq: a document number per token, equal within a document) → each
-    token's position within its document (batch, seq) and the attention mask (batch, 1, seq, seq):
-    causal, and within a document only. `rows` (n,): where the tokens at hand sit in the packed row
-    when they are some of its tokens (a context-parallel shard's); then the positions (batch, n)
-    and the mask's rows (batch, 1, n, seq) are theirs, its columns still every token of the row."""
-    seq = documents.shape[1]
-    index = torch.arange(seq, device=documents.device)
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    first = torch.cummax(torch.where(starts, index, 0), dim=1).values  # each token's document start
-    rows = index if rows is None else rows
-    causal = rows[:, None] >= index[None, :]
-    mask = (documents[:, rows, None] == documents[:, None, :]) & causal
-    return rows - first[:, rows], mask[:, None]
+    token's position within its document (batch, seq) and the dense attention mask (batch, 1, seq,
+    seq): causal, and within a document only. The model never builds this mask (it hands the
+    attention backend a `MaskSpec`); it is the reference the backends are tested against. `rows` (n,):
+    where the tokens at hand sit in the packed row; then the positions and the mask's rows are theirs."""
+    rows = torch.arange(documents.shape[1], device=documents.device) if rows is None else rows
+    mask = allowed(MaskSpec(documents=documents), rows[None], torch.arange(documents.shape[1], device=rows.device))
+    return document_positions(documents, rows), mask
+
+
+def document_positions(documents: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's position within its document (batch, n), for the tokens at `rows` of the packed
+    row (None: every token)."""
+    first = document_starts(documents)
+    rows = torch.arange(documents.shape[1], device=documents.device) if rows is None else rows
+    return rows - first[:, rows]
 
 
 def rope_and_mask(rope_cos: torch.Tensor, rope_sin: torch.Tensor, seq: int, positions: torch.Tensor | None,
-                  documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The rotary tables' rows for `seq` tokens at `positions` (None: 0, 1, ...) and the attention
-    mask (None: causal). With `documents` (batch, length of the packed row), `positions` say where
-    the tokens sit in that row (None: they are the whole row) and the tables rotate by each token's
-    position within its document (`document_layout`)."""
-    mask = None
+                  documents: torch.Tensor | None, backend: str = "auto"
+                  ) -> tuple[torch.Tensor, torch.Tensor, MaskSpec]:
+    """The rotary tables' rows for `seq` tokens at `positions` (None: 0, 1, ...) and the attention's
+    mask spec (causal, within `documents`). With `documents` (batch, length of the packed row),
+    `positions` say where the tokens sit in that row (None: they are the whole row) and the tables
+    rotate by each token's position within its document (`document_positions`)."""
+    spec = MaskSpec(backend=backend)
     if documents is not None:
         if positions is None and documents.shape[1] != seq:
             raise ValueError(f"documents cover {documents.shape[1]} tokens, the sequence has {seq}: give the "
                              "positions of the sequence's tokens in the documents' row")
-        positions, mask = document_layout(documents, positions)
+        spec = MaskSpec(documents=documents, rows=positions, backend=backend)
+        positions = document_positions(documents, positions)
     rows = positions if positions is not None else slice(0, seq)
-    return rope_cos[rows], rope_sin[rows], mask
+    return rope_cos[rows], rope_sin[rows], spec
 
 
 class RMSNorm(nn.Module):
@@ -165,30 +177,14 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return cap * torch.tanh(x / cap) if cap > 0 else x
 
 
-def sdpa_attention(q, k, v, mask, groups: int) -> torch.Tensor:
-    """Scaled dot-product attention: causal, or with an explicit mask (KV-cache inference).
-
-    On CPU, bf16 inputs run in fp32: PyTorch's CPU flash-attention backward is ~2.7× slower in
-    bf16 than in fp32 (62 vs 23 ms a call, measured here on an AVX-512-BF16 machine without
-    AMX), and fp32 is the more accurate of the two. GPUs keep bf16 for their fused kernels.
-    """
-    dtype = q.dtype
-    if q.device.type == "cpu" and dtype == torch.bfloat16:
-        with torch.autocast("cpu", enabled=False):
-            out = sdpa_attention(q.float(), k.float(), v.float(), mask, groups)
-        return out.to(dtype)
-    if mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
-
-
 class Attention(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, index: int = 0):
         super().__init__()
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
         self.softcap = args.attn_softcap
+        self.window = layer_windows(args.n_layers, args.sliding_window, args.sliding_window_pattern)[index]
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
@@ -198,14 +194,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        # (q, k, v, mask, groups) → output, all (batch, heads, seq, head_dim); context parallel swaps it
-        self.attend = sdpa_attention
+        # (q, k, v, mask spec, groups) → output, all (batch, heads, seq, head_dim); context parallel swaps it
+        self.attend = attend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`mask` (batch, 1, seq, seq), True where a query may attend a key: packed documents'
-        block-diagonal causal mask (`document_layout`; a context-parallel shard's has a column for
-        every token of the whole row, which the swapped-in attention takes); None: causal."""
+                mask: MaskSpec | None = None) -> torch.Tensor:
+        """`mask`: what the queries may attend (`models/masks.py`: causal, within packed documents; a
+        context-parallel shard's documents cover the whole row, which the swapped-in attention takes);
+        this layer adds its sliding window and soft cap. None: causal."""
         batch, seq, _ = x.shape
         # -1 instead of n_heads so that a tensor-parallel shard (fewer local heads) works unchanged.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -216,26 +212,11 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
         groups = q.shape[1] // k.shape[1]
-        if cache is not None:  # inference: past keys/values join the new ones, with their mask
-            k, v, mask = cache.update(k, v)
-        if self.softcap > 0:
-            out = self._softcapped_attention(q, k, v, groups, mask)
-        else:
-            out = self.attend(q, k, v, mask, groups)
+        if cache is not None:  # inference: past keys/values join the new ones (the spec has the positions)
+            k, v = cache.update(k, v)
+        spec = (mask or MaskSpec()).for_layer(self.window, self.softcap)
+        out = self.attend(q, k, v, spec, groups)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
-
-    def _softcapped_attention(self, q, k, v, groups: int, mask: torch.Tensor | None = None) -> torch.Tensor:
-        # SDPA has no soft-cap, so this path materialises the scores (fine for the model sizes
-        # where soft-capping is used on CPU; GPU users want a fused kernel here).
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        scores = softcap((q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim), self.softcap)
-        if mask is None:
-            seq = q.shape[2]
-            mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.softmax(scores.float(), dim=-1).type_as(v) @ v
 
 
 class FeedForward(nn.Module):
@@ -263,12 +244,12 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: LlamaArgs, index: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, index)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = moe_layer(args) if args.is_moe_layer(index) else FeedForward(args.dim, args.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: MaskSpec | None = None) -> torch.Tensor:
         # the mask goes by keyword: tensor parallel's input plan names the positional arguments
         x = x + self.attention(self.attention_norm(x), cos, sin, cache, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
@@ -296,20 +277,14 @@ class Llama(nn.Module):
         self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Normal(0, init_std) weights; the projections into the residual stream are scaled by
-        1/sqrt(2·n_layers) (GPT-2, Radford et al. 2019) so the residual variance stays bounded."""
-        std = self.args.init_std
-        residual_std = std / math.sqrt(2 * self.args.n_layers)
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Every parameter as `init_rule` says, drawn block by block (`models/init.py`) from `seed`
+        (None: torch's initial seed, what `torch.manual_seed` set): the values any shard of this
+        model would get under any layout. A model on the meta device has nothing to fill."""
+        seed = torch.initial_seed() if seed is None else seed
         for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.w2", "shared.w2.weight")):
-                nn.init.normal_(param, mean=0.0, std=residual_std)
-            else:
-                nn.init.normal_(param, mean=0.0, std=std)
+            if not param.is_meta:
+                init.fill(param, init_rule(name, param.shape, self.args), name, param.shape, seed=seed)
 
     def forward(self, tokens: torch.Tensor, cache=None, positions: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -325,14 +300,16 @@ class Llama(nn.Module):
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.args.max_seq_len}")
         x = self.tok_embeddings(tokens)
         if cache is None:
-            cos, sin, mask = rope_and_mask(self.rope_cos, self.rope_sin, seq, positions, documents)
+            cos, sin, mask = rope_and_mask(self.rope_cos, self.rope_sin, seq, positions, documents,
+                                           self.args.attention)
         elif documents is not None or positions is not None:
             raise ValueError("a KV cache supplies the positions: documents or positions cannot be given with it")
         else:
             positions = cache.positions(seq)  # (batch, seq)
-            cos, sin, mask = self.rope_cos[positions], self.rope_sin[positions], None
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            mask = MaskSpec(rows=positions, backend=self.args.attention)  # keys: every cached position
         for name, layer in self.layers.items():
-            x = layer(x, cos, sin, mask=mask) if cache is None else layer(x, cos, sin, cache.layer(name))
+            x = layer(x, cos, sin, mask=mask) if cache is None else layer(x, cos, sin, cache.layer(name), mask=mask)
         hidden = self.norm(x)
         return hidden if self.hidden_out else self.head(hidden)
 
@@ -345,3 +322,34 @@ def build_model(model_cfg, device: str | torch.device = "cpu") -> Llama:
     """A Llama from a resolved ModelConfig. `device="meta"` builds the shapes without memory."""
     with torch.device(device):
         return Llama(LlamaArgs.from_config(model_cfg))
+
+
+RESIDUAL_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight", "experts.w2", "shared.w2.weight")
+
+
+def init_rule(name: str, shape, args: LlamaArgs) -> InitRule:
+    """How a Llama parameter (by its name in the whole model) is drawn: Normal(0, init_std) weights,
+    the projections into the residual stream scaled by 1/sqrt(2·n_layers) (GPT-2, Radford et al.
+    2019) so the residual variance stays bounded; norms start at one, biases at zero."""
+    if name.endswith("norm.weight"):
+        return InitRule.constant(1.0)
+    if name.endswith(".bias"):
+        return InitRule.constant(0.0)
+    if name.endswith(RESIDUAL_PROJECTIONS):
+        return InitRule.normal(args.init_std / math.sqrt(2 * args.n_layers))
+    return InitRule.normal(args.init_std)
+
+
+@torch.no_grad()
+def init_buffers(module: nn.Module) -> None:
+    """The buffers of a model (or a pipeline stage of one) made again where they live, after
+    `to_empty` left them uninitialized: the rotary tables and the routers' balancing biases."""
+    for sub in module.modules():
+        if isinstance(sub, Router):
+            sub.expert_bias.zero_()
+        if isinstance(sub._buffers.get("rope_cos"), torch.Tensor) and hasattr(sub, "args"):
+            args = sub.args
+            cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling,
+                                   args.rope_scaling_params)
+            sub.rope_cos.copy_(cos)
+            sub.rope_sin.copy_(sin)

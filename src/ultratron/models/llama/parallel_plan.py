@@ -34,7 +34,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from ultratron.models.llama.model import rope_and_mask, sdpa_attention, softcap
+from ultratron.models.attention import attend
+from ultratron.models.llama.model import rope_and_mask, softcap
 from ultratron.models.moe import MoE
 from ultratron.models.plan import ParallelPlan
 
@@ -124,7 +125,8 @@ class LlamaStage(nn.Module):
             x = self.tok_embeddings(x)
         else:
             seq = x.shape[1] * self.sequence_shards
-        cos, sin, mask = rope_and_mask(self.rope_cos, self.rope_sin, seq, self.positions, documents)
+        cos, sin, mask = rope_and_mask(self.rope_cos, self.rope_sin, seq, self.positions, documents,
+                                       self.args.attention)
         for layer in self.layers.values():
             x = layer(x, cos, sin, mask=mask)
         if self.output is not None:
@@ -151,7 +153,7 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 
 
 PLAN = ParallelPlan(blocks=blocks, tensor_parallel=tensor_parallel, tie_weights=tie_weights,
-                    pipeline_stage=pipeline_stage, set_attention=set_attention, attention=sdpa_attention,
+                    pipeline_stage=pipeline_stage, set_attention=set_attention, attention=attend,
                     moe_layers=moe_layers,
                     lora_targets={"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
                                   "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"})

@@ -21,6 +21,11 @@ with a wider head (Qwen3-30B-A3B: 32 × 128 over a width of 2,048). Forward is �
 mixture of experts counts its active parameters only — the router, each token's k routed experts and
 the shared ones (DeepSeek-AI 2024 quotes its FLOPs per token so) —, since a token never touches the
 other experts.
+
+Sliding windows: a windowed layer's query attends at most W keys, so its attention costs 12·h·min(W, s)
+per token where a full layer's costs 12·h·s (the band s × W against the square s × s, both without
+the causal halving); `layer_windows` says which layers are windowed (Mistral 7B: all, W 4096; Gemma
+2: every other layer, the rest global).
 """
 
 from __future__ import annotations
@@ -91,17 +96,33 @@ def matmul_params(counts: ParamCounts, vocab_size: int, dim: int) -> int:
     return counts.active_layers + vocab_size * dim
 
 
-def training_flops_per_token(counts: ParamCounts, *, vocab_size: int, dim: int, n_layers: int,
-                             seq_len: int, attention_width: int | None = None) -> float:
-    """`attention_width`: heads × head dim (None: `dim`, the two equal in Llama's shapes)."""
-    return 6.0 * matmul_params(counts, vocab_size, dim) + 12.0 * n_layers * (attention_width or dim) * seq_len
+def layer_windows(n_layers: int, window: int | None, pattern: int | None = 0) -> list[int]:
+    """Each layer's sliding window, 0 where it attends to every earlier key: `window` on every layer,
+    or with `pattern` N on all but every N-th (layers N−1, 2N−1, ...: Gemma 2's alternation is N = 2)."""
+    if not window:
+        return [0] * n_layers
+    return [0 if pattern and (i + 1) % pattern == 0 else window for i in range(n_layers)]
+
+
+def attention_keys(cfg, seq_len: int) -> int:
+    """The keys per query that attention is counted over, summed over the layers: s for a full
+    layer, min(W, s) for a windowed one (module docstring)."""
+    windows = layer_windows(cfg.n_layers, getattr(cfg, "sliding_window", 0),
+                            getattr(cfg, "sliding_window_pattern", 0))
+    return sum(min(w, seq_len) if w else seq_len for w in windows)
+
+
+def attention_flops_per_token(cfg, seq_len: int) -> float:
+    """Attention's training FLOPs per token (scores and weighted sum, forward and backward): 12 · heads
+    × head dim · the keys of `attention_keys`, the one place this is written."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.dim // cfg.n_heads
+    return 12.0 * cfg.n_heads * head_dim * attention_keys(cfg, seq_len)
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
     """Training FLOPs per token of a model with these fields at this sequence length."""
-    head_dim = getattr(cfg, "head_dim", None) or cfg.dim // cfg.n_heads
-    return training_flops_per_token(count_params_of(cfg), vocab_size=cfg.vocab_size, dim=cfg.dim,
-                                    n_layers=cfg.n_layers, seq_len=seq_len, attention_width=cfg.n_heads * head_dim)
+    return 6.0 * matmul_params(count_params_of(cfg), cfg.vocab_size, cfg.dim) + attention_flops_per_token(cfg, seq_len)
 
 
-SPEC = PlanningSpec(count_params=count_params_of, flops_per_token=flops_per_token)
+SPEC = PlanningSpec(count_params=count_params_of, flops_per_token=flops_per_token,
+                    attention_flops_per_token=attention_flops_per_token)
