@@ -3,57 +3,15 @@ reached through s3fs exactly as a cluster reaches S3 or MinIO — not a mock of 
 
 from __future__ import annotations
 
-import socket
-import uuid
-
-import pytest
 import torch
 
-from conftest import losses
+from conftest import S3_BUCKET, losses
 from ultratron.checkpoint.checkpointer import Checkpointer
 from ultratron.checkpoint.manager import ModelState
 from ultratron.config import load_config
 from ultratron.training.trainer import train
 
-BUCKET = f"ckpts-{uuid.uuid4().hex[:8]}"  # moto keeps buckets for the life of the process
-
-
-class S3Server:
-    """moto's S3 server in a thread; stop() and start() keep its objects (they live in this process)."""
-
-    def __init__(self):
-        from moto.server import ThreadedMotoServer
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self._make = lambda: ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.server = None
-
-    def start(self):
-        self.server = self._make()
-        self.server.start()
-
-    def stop(self):
-        self.server.stop()
-
-
-@pytest.fixture
-def s3(monkeypatch):
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(key, value)
-    server = S3Server()
-    server.start()
-    import s3fs
-
-    fs = s3fs.S3FileSystem(endpoint_url=server.endpoint)
-    if not fs.exists(BUCKET):
-        fs.mkdir(BUCKET)
-    yield server, fs
-    server.stop()
-
+BUCKET = S3_BUCKET
 
 
 def test_save_list_verify_resume_and_retention_through_s3(s3, tiny_overrides, tmp_path):

@@ -13,9 +13,10 @@ from ultratron.errors import ConfigError
 
 def test_every_stage_has_a_runner_in_pipeline_order():
     assert list(RUNNERS) == list(STAGES)
-    # language is opt-in (configs/data-multilingual.toml): the default pipeline stays as it was
-    opt_in = ("language", "perplexity", "write-chat")
-    assert DataPipelineConfig().pipeline.stages == [s for s in STAGES if s not in opt_in]
+    # language (configs/data-multilingual.toml), decontaminate and pii are opt-in: the default pipeline
+    # stays as it was
+    assert DataPipelineConfig().pipeline.stages == ["read", "normalize", "exact-dedup", "near-dedup",
+                                                    "substring-dedup", "filter", "tokenize", "shard"]
 
 
 def test_file_then_overrides(tmp_path):

@@ -18,14 +18,13 @@ import shutil
 from pathlib import Path
 
 from ultratron import atomic
+from ultratron.data.objstore import filesystem, is_url
 from ultratron.errors import CheckpointError
 
 Location = Path | str
 
 
-def is_url(path: str | Path) -> bool:
-    text = str(path)
-    return "://" in text and not text.startswith("file://")
+__all__ = ["Location", "Storage", "is_url", "name_of", "gib", "space_problem", "first_oserror"]
 
 
 def name_of(loc: Location) -> str:
@@ -43,28 +42,14 @@ class Storage:
         self.endpoint = endpoint or None
         self.remote = is_url(root)
         if self.remote:
-            from fsspec.core import url_to_fs
-
-            self.options = self._options(str(root))
             try:
-                self.fs, _ = url_to_fs(str(root), **self.options)
+                self.fs, self.options = filesystem(str(root), self.endpoint)
             except (ImportError, ValueError) as err:
                 raise CheckpointError(f"checkpoint.dir {str(root)!r}: {err}") from None
             self.root: Location = str(root).rstrip("/")
         else:
             self.fs, self.options = None, {}
             self.root = Path(str(root).removeprefix("file://"))
-
-    def _options(self, url: str) -> dict:
-        if url.startswith(("s3://", "s3a://")):
-            # A few attempts, not botocore's default of minutes of retries: a failed save is
-            # retried at the next checkpoint interval anyway.
-            opts: dict = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
-                                            "retries": {"max_attempts": 2, "mode": "standard"}}}
-            if self.endpoint:
-                opts["endpoint_url"] = self.endpoint
-            return opts
-        return {}
 
     def __str__(self) -> str:
         return str(self.root)

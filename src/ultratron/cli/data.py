@@ -23,6 +23,17 @@ Run every stage in pipeline.stages in order, each on the previous one's output, 
 finished stages and parts; write report.json, report.md and decisions.jsonl to pipeline.output.
 Every config field below can be set as --section.field VALUE; overrides win over the file."""
 
+DECONTAMINATE_DESCRIPTION = """\
+  ultratron data decontaminate --tasks builtin,my_task.jsonl --input PARTS [--output DIR]
+
+Looks for the evaluation tasks' items in a corpus: every word 13-gram (lowercased, punctuation
+stripped, unspaced scripts segmented) of each item of each task --tasks resolves to (the same
+spelling as eval.tasks) is hashed, and every document of --input (a stage directory of JSONL parts,
+or one JSONL file) that repeats one is counted under the task it repeats most. Prints per task the
+items, n-grams and documents found, with examples. With --output the stage's parts are written
+there, those documents removed (or, with --decontaminate.mode cut, the spans cut); without it, the
+report only. docs/data.md explains the rules."""
+
 STAGE_DESCRIPTION = """\
 Reads --input (JSONL parts, or for `read` a raw source) and writes JSONL parts, a decision log
 and stats to --output; a rerun resumes finished parts. The stage's settings come from --config
@@ -54,12 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--input", help="short for --pipeline.input")
     run.add_argument("--output", help="short for --pipeline.output")
     for stage, text in STAGES.items():
-        sp = sub.add_parser(stage, help=f"run the {stage!r} stage alone", epilog=epilog,
-                            description=f"Stage {stage!r}: {text}.\n\n{STAGE_DESCRIPTION}",
+        report = stage == "decontaminate"
+        description = DECONTAMINATE_DESCRIPTION if report else f"Stage {stage!r}: {text}.\n\n{STAGE_DESCRIPTION}"
+        sp = sub.add_parser(stage, help=f"run the {stage!r} stage alone", epilog=epilog, description=description,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         where = "a raw source: directory, file or 'builtin'" if stage == "read" else "a stage directory or JSONL file"
         sp.add_argument("--input", required=True, help=where)
-        sp.add_argument("--output", required=True, help="directory for this stage's parts")
+        sp.add_argument("--output", required=not report, help="directory for this stage's parts"
+                        + ("; none: print the report only" if report else ""))
+        if report:
+            sp.add_argument("--tasks", help="short for --decontaminate.tasks: builtin, built-in task names, task files")
         sp.add_argument("--config", help="data.toml for the stage's settings")
         sp.add_argument("--workers", type=int, help="short for --pipeline.workers")
 
@@ -67,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ultratron.curation.config import load_config
     from ultratron.curation.runner import run_pipeline, run_stage
+    from ultratron.evaluation.builtin import task_texts
 
     stage = getattr(args, "data_command", None)
     if not stage:
@@ -76,14 +92,30 @@ def run(args: argparse.Namespace) -> int:
     if stage == "run":
         shorthand += ["--pipeline.input", args.input] if args.input is not None else []
         shorthand += ["--pipeline.output", args.output] if args.output is not None else []
+    if getattr(args, "tasks", None) is not None:
+        shorthand += ["--decontaminate.tasks", args.tasks]
     overrides = shorthand + list(getattr(args, "overrides", []))  # the dotted ones last: they win
     if stage == "run":
-        run_pipeline(load_config(args.config, overrides))
+        run_pipeline(load_config(args.config, overrides), task_texts=task_texts)
         return 0
-    summary = run_stage(stage, load_config(args.config, overrides, stages=[stage]), args.input, args.output)
+    cfg = load_config(args.config, overrides, stages=[stage])
+    if args.output is None:  # decontaminate as a report: the stage's files go to a temporary directory
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="ultratron-decontaminate-") as tmp:
+            summary = run_stage(stage, cfg, args.input, tmp, task_texts=task_texts)
+    else:
+        summary = run_stage(stage, cfg, args.input, args.output, task_texts=task_texts)
     shown = {k: summary[k] for k in ("stage", "docs_in", "docs_out", "bytes_in", "bytes_out", "tokens_out",
-                                     "removed", "modified", "notes") if k in summary}
+                                     "removed", "modified", "notes", "pii_replaced") if k in summary}
     print(json.dumps(shown, indent=2))
+    if stage == "decontaminate":
+        from ultratron.curation.stages.decontaminate import format_tasks
+
+        print(format_tasks(summary))
+        for reason, examples in sorted(summary["examples"].items()):
+            for example in examples:
+                print(f"{reason}: {example['id']}: {example['snippet'][:100]!r}")
     if summary.get("languages"):
         from ultratron.curation.report import format_languages
 

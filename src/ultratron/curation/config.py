@@ -29,6 +29,8 @@ STAGES: dict[str, str] = {
     "near-dedup": "MinHash + LSH banding: keep the first document of each near-duplicate cluster",
     "substring-dedup": "remove every byte span of ≥ min_bytes that occurs twice (suffix array)",
     "filter": "heuristic quality rules: Gopher repetition and quality, C4, FineWeb, punctuation",
+    "decontaminate": "remove documents (or cut the spans) that repeat a 13-gram of an evaluation task's items",
+    "pii": "replace email addresses, public IP addresses and phone numbers by <EMAIL>, <IP_ADDRESS>, <PHONE>",
     "perplexity": "score with a reference model checkpoint; keep the likely documents",
     "tokenize": "train or load the tokenizer, audit it, add token ids to every document",
     "shard": "the trainer's token shards (train/, val/) and Parquet shards of the cleaned text",
@@ -39,22 +41,32 @@ STAGES: dict[str, str] = {
 # that rewrite text (normalize, substring-dedup, C4's line removal) or turn it into plain-text
 # shards (tokenize, shard) do not apply; write-chat writes the survivors.
 CHAT_STAGES = ("read", "exact-dedup", "near-dedup", "filter", "perplexity", "write-chat")
+# Stages the default pipeline leaves out (configs/data.toml and data-multilingual.toml name those they run).
+OPT_IN_STAGES = ("language", "decontaminate", "pii", "perplexity", "write-chat")
 FILTER_GROUPS = ("length", "gopher_repetition", "gopher_quality", "c4", "fineweb", "punctuation")
 READ_FORMATS = ("text", "chat")
+PII_KINDS = ("email", "ip", "phone")
 NORMAL_FORMS = ("NFC", "NFKC", "NFD", "NFKD")
 
 
 @dataclass
 class PipelineSection:
     input: str = option("builtin", "'builtin' (this interpreter's standard library) or a directory/file of "
-                                   "text, .jsonl or .parquet")
-    output: str = option("data_out", "one subdirectory per stage, the report and the final shards")
-    stages: list[str] = option(factory=lambda: [s for s in STAGES if s not in ("language", "perplexity", "write-chat")],
+                                   "text, .jsonl[.gz|.zst], .parquet, Arrow IPC or WARC; local or an fsspec URL "
+                                   "(s3://bucket/prefix)")
+    output: str = option("data_out", "one subdirectory per stage, the report and the final shards; local or an "
+                                     "fsspec URL (the stages run in pipeline.staging, then each file is published)")
+    staging: str = option("", "where the stages run when pipeline.output is a URL (kept for resume); '': "
+                              "~/.cache/ultratron/curation/HASH-OF-OUTPUT")
+    endpoint: str = option("", "endpoint URL of an S3-compatible store for s3:// input or output")
+    stages: list[str] = option(factory=lambda: [s for s in STAGES if s not in OPT_IN_STAGES],
                                help="the stages to run, in order; must start with read", choices=tuple(STAGES))
     workers: int = option(1, "processes on this machine; 0: one per CPU core")
     executor: str = option("local", "local: a process pool; ray: Ray tasks (ray.init(address=ray_address))",
                            choices=("local", "ray"))
     ray_address: str = option("", "'' starts a local Ray instance; 'auto' joins a running cluster")
+    shared_fs: bool = option(True, "ray: every node sees pipeline.output; false: parts travel to and from the "
+                                   "workers through Ray (set by an object-store output)")
     docs_per_part: int = option(2000, "documents per part: the unit of parallel work and of resume")
     progress: bool = option(True, "progress bars")
 
@@ -63,7 +75,9 @@ class PipelineSection:
 class ReadSection:
     format: str = option("text", "text: documents of text; chat: JSONL conversations in the messages format, "
                                  "one a document (see docs/data.md)", choices=READ_FORMATS)
-    extensions: str = option(".txt,.md,.rst,.py,.jsonl,.parquet", "files read from a directory")
+    extensions: str = option(".txt,.md,.rst,.py,.jsonl,.parquet", "files read from a directory or prefix (each "
+                                                                  "also compressed: .gz, .zst); add .arrow (Arrow "
+                                                                  "IPC) or .warc (needs warcio)")
     max_doc_bytes: int = option(2_000_000, "larger single documents are dropped as 'too_large'")
     max_bytes: int = option(0, "stop after this many bytes of accepted text; 0 reads everything")
     binary_control_fraction: float = option(0.01, "a NUL, or more than this share of C0 control characters, "
@@ -75,6 +89,8 @@ class NormalizeSection:
     form: str = option("NFC", "Unicode normal form", choices=NORMAL_FORMS)
     strip_control: bool = option(True, "drop C0/C1 control characters except tab and newline")
     collapse_spaces: bool = option(True, "runs of spaces/tabs inside a line → one space; trailing spaces dropped")
+    keep_code_spaces: bool = option(True, "collapse_spaces leaves lines of code as they are (docs/data.md says "
+                                          "which lines are code); false: every line, as before")
     max_blank_lines: int = option(2, "longer runs of blank lines are shortened to this")
 
 
@@ -151,6 +167,25 @@ class FilterSection:
 
 
 @dataclass
+class DecontaminateSection:
+    # GPT-3 (Brown et al. 2020, appendix C), lm-eval-harness and Megatron's tools: 13-grams
+    tasks: str = option("builtin", "the evaluation tasks, as eval.tasks spells them: builtin, built-in task "
+                                   "names, task files (.jsonl ultratron or lm-eval style, BIG-bench .json)")
+    ngram: int = option(13, "words per n-gram (after lowercasing and stripping punctuation)")
+    mode: str = option("remove", "remove: drop a document that repeats an item's n-gram; cut: drop only the "
+                                 "spans those n-grams cover", choices=("remove", "cut"))
+    held_out_fraction: float = option(0.05, "the built-in suite's split: the data.held_out_fraction of the runs "
+                                            "that will be evaluated on it")
+    min_doc_chars: int = option(1, "cut: a document left shorter than this is removed")
+
+
+@dataclass
+class PiiSection:
+    kinds: list[str] = option(factory=lambda: list(PII_KINDS), help="what is replaced: email (<EMAIL>), ip "
+                              "(public addresses, <IP_ADDRESS>), phone (<PHONE>)", choices=PII_KINDS)
+
+
+@dataclass
 class PerplexitySection:
     checkpoint: str = option("", "the reference model: an ultratron checkpoint or run directory")
     tokenizer: str = option("", "tokenizer.json of that model; '': the checkpoint's own")
@@ -192,6 +227,8 @@ class DataPipelineConfig:
     near_dedup: NearDedupSection = option(factory=NearDedupSection)
     substring_dedup: SubstringDedupSection = option(factory=SubstringDedupSection)
     filter: FilterSection = option(factory=FilterSection)
+    decontaminate: DecontaminateSection = option(factory=DecontaminateSection)
+    pii: PiiSection = option(factory=PiiSection)
     perplexity: PerplexitySection = option(factory=PerplexitySection)
     tokenize: TokenizeSection = option(factory=TokenizeSection)
     shard: ShardSection = option(factory=ShardSection)
@@ -279,6 +316,15 @@ def validate(cfg: DataPipelineConfig, stages: list[str] | None = None) -> list[s
         problems.append(f"filter.max_chars = {cfg.filter.max_chars} is below filter.min_chars = {cfg.filter.min_chars}")
     problems += _ngram_table_problems("filter.top_ngram_char_frac", cfg.filter.top_ngram_char_frac)
     problems += _ngram_table_problems("filter.dup_ngram_char_frac", cfg.filter.dup_ngram_char_frac)
+    dc = cfg.decontaminate
+    if dc.ngram < 1:
+        problems.append(f"decontaminate.ngram = {dc.ngram} must be ≥ 1 (13 is usual; GPT-3 took 8 for short items)")
+    if not 0 < dc.held_out_fraction < 1:
+        problems.append(f"decontaminate.held_out_fraction = {dc.held_out_fraction} must lie in (0, 1)")
+    if dc.min_doc_chars < 1:
+        problems.append("decontaminate.min_doc_chars must be ≥ 1")
+    if "decontaminate" in run and not dc.tasks.strip(", "):
+        problems.append("stage 'decontaminate' needs decontaminate.tasks (e.g. builtin, or task files)")
     px = cfg.perplexity
     if not 0 <= px.keep_percentile <= 100:
         problems.append(f"perplexity.keep_percentile = {px.keep_percentile} must lie in [0, 100]")

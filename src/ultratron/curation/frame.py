@@ -319,6 +319,9 @@ def process_part(task: PartTask) -> dict:
 # ---- stages ----------------------------------------------------------------------------------------
 
 Scorer = Callable[[list[str]], list[float]]  # texts → perplexities (the perplexity stage's model)
+# (tasks as eval.tasks spells them, the built-in suite's held-out fraction) → task name → its items' texts:
+# the decontaminate stage's evaluation items, which the evaluation layer provides (evaluation.builtin.task_texts)
+TaskTexts = Callable[[str, float], dict[str, list[str]]]
 
 
 def stage_dirs(cfg: DataPipelineConfig) -> list[tuple[str, Path]]:
@@ -335,6 +338,7 @@ class StageContext:
     out_dir: Path
     executor: Executor
     scorer: Scorer | None = None  # the perplexity stage's model; None: load perplexity.checkpoint
+    task_texts: TaskTexts | None = None  # the decontaminate stage's evaluation items
 
     @property
     def index_dir(self) -> Path:

@@ -94,10 +94,23 @@ def write_report(cfg, summaries: list[dict], log: Callable[[str], None] = print)
     if by_language := format_languages(summaries):
         sections.append(f"## By language\n\n{by_language}")
     for s in summaries:
+        if s["stage"] == "decontaminate":
+            from ultratron.curation.stages.decontaminate import format_tasks
+
+            sections.append(f"## Decontamination ({s['decontaminate_ngram']}-grams, {s['decontaminate_mode']})\n\n"
+                            + format_tasks(s))
+        if s["stage"] == "pii":
+            sections.append(f"## Personal data replaced ({s['modified'].get('pii', 0)} documents changed)\n\n"
+                            "| kind | replaced |\n|---|---:|\n"
+                            + "\n".join(f"| {k} | {n} |" for k, n in sorted(s["pii_replaced"].items())))
         if s["stage"] == "tokenize" and s.get("tokenizer_languages"):
             from ultratron.curation.stages.tokenize import format_language_table
 
             sections.append("## Tokenizer by language\n\n" + format_language_table(s["tokenizer_languages"]))
+        if s["stage"] == "tokenize" and s.get("tokenizer_domains"):
+            from ultratron.curation.stages.tokenize import format_domain_table
+
+            sections.append("## Tokenizer by domain\n\n" + format_domain_table(s["tokenizer_domains"]))
     write_json(out / "report.json", report)
     atomic.write_text(out / "report.md", "# Data curation report\n\n" + "\n\n".join(sections) + "\n")
     for section in sections:

@@ -20,12 +20,16 @@ from ultratron.curation.frame import (
     PartStats,
     Scorer,
     StageContext,
+    TaskTexts,
     remove_temp_files,
     stage_dirs,
     write_json,
 )
+from ultratron.curation.publish import run_to_object_store
 from ultratron.curation.report import write_report
 from ultratron.curation.stages import RUNNERS
+from ultratron.data.objstore import is_url
+from ultratron.errors import DataError
 
 
 def summarize(out_dir: Path) -> dict:
@@ -52,12 +56,17 @@ def summarize(out_dir: Path) -> dict:
 
 
 def run_stage(stage: str, cfg: DataPipelineConfig, input_path: str | Path, out_dir: str | Path,
-              executor: Executor | None = None, scorer: Scorer | None = None) -> dict:
+              executor: Executor | None = None, scorer: Scorer | None = None,
+              task_texts: TaskTexts | None = None) -> dict:
     """Run one stage (resuming any finished parts) and return its summary (also in _DONE.json).
 
     `scorer` is the perplexity stage's model (any callable texts → perplexities); without it
-    that stage loads `perplexity.checkpoint`. Other stages ignore it.
+    that stage loads `perplexity.checkpoint`. `task_texts` gives the decontaminate stage the
+    evaluation items (`ultratron.evaluation.builtin.task_texts`). Other stages ignore both.
     """
+    if is_url(out_dir):
+        raise DataError(f"{out_dir}: a single stage writes to a local directory; `ultratron data run` publishes "
+                        "to an object store (pipeline.output)")
     out_dir = Path(out_dir)
     done = out_dir / DONE
     if done.is_file():
@@ -67,8 +76,9 @@ def run_stage(stage: str, cfg: DataPipelineConfig, input_path: str | Path, out_d
     own_executor = executor is None
     executor = executor or make_executor(cfg)
     started = time.perf_counter()
+    source = input_path if is_url(input_path) else Path(input_path)  # a URL is no Path ("s3://" → "s3:/")
     try:
-        ctx = StageContext(stage, cfg, Path(input_path), out_dir, executor, scorer)
+        ctx = StageContext(stage, cfg, source, out_dir, executor, scorer, task_texts)
         extra = RUNNERS[stage](ctx) or {}
     finally:
         if own_executor:
@@ -78,8 +88,12 @@ def run_stage(stage: str, cfg: DataPipelineConfig, input_path: str | Path, out_d
     return summary
 
 
-def run_pipeline(cfg: DataPipelineConfig, log: Callable[[str], None] = print) -> dict:
-    """Every configured stage in order, resuming finished work; writes the report and decision log."""
+def run_pipeline(cfg: DataPipelineConfig, log: Callable[[str], None] = print,
+                 task_texts: TaskTexts | None = None) -> dict:
+    """Every configured stage in order, resuming finished work; writes the report and decision log.
+    An output on an object store is staged locally and published (curation/publish.py)."""
+    if is_url(cfg.pipeline.output):
+        return run_to_object_store(cfg, lambda staged: run_pipeline(staged, log, task_texts), log)
     out = Path(cfg.pipeline.output)
     out.mkdir(parents=True, exist_ok=True)
     # What a kill left anywhere under the output: the stages clean their own directories, but the
@@ -94,7 +108,7 @@ def run_pipeline(cfg: DataPipelineConfig, log: Callable[[str], None] = print) ->
     try:
         for stage, stage_dir in stage_dirs(cfg):
             resumed = (stage_dir / DONE).is_file()
-            summary = run_stage(stage, cfg, previous, stage_dir, executor)
+            summary = run_stage(stage, cfg, previous, stage_dir, executor, task_texts=task_texts)
             summaries.append(summary)
             log(f"data: {stage:<16} {summary['docs_in']:>8} → {summary['docs_out']:>8} documents"
                 + ("  (done earlier)" if resumed else f"  {summary['wall_seconds']:.1f}s"))

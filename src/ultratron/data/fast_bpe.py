@@ -25,7 +25,9 @@ been exactly those of encoding t alone, which would then pass through the state 
 there, not at [t]. So by 2 no such pair is ever adjacent, both algorithms see the same candidate
 pairs at every step and make the same choice, and a pre-token that is a token is reached by the
 merges too. The rest must match as configured: no normalizer, the ByteLevel pre-tokenizer with
-GPT-2's split regex (`add_prefix_space` honoured), plain BPE options, added tokens that are
+GPT-2's split regex (`add_prefix_space` honoured) or a Split on a regex (isolated pieces) followed
+by ByteLevel without its regex, which tiktoken applies as the same regex (ultratron's tokenizers
+split digits this way, `DIGIT_GROUPS_PATTERN`), plain BPE options, added tokens that are
 special, matched whole on the raw text. A short probe of varied text (scripts, whitespace and
 control characters) is compared at load as well, for the regex engines' character classes.
 """
@@ -38,11 +40,34 @@ from concurrent.futures import ThreadPoolExecutor
 
 # The split regex of Hugging Face's ByteLevel pre-tokenizer (GPT-2's, Radford et al. 2019).
 BYTE_LEVEL_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# GPT-2's regex with numbers cut into groups of at most three digits and no space joined to them, as
+# Llama 3's pre-tokenizer does (`\p{N}{1,3}`); ultratron trains its tokenizers with it (`DIGIT_GROUPS`):
+# a Split on it, then ByteLevel without its own regex.
+DIGIT_GROUPS_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def split_pattern(pre: dict) -> tuple[str | None, bool, str]:
+    """(the tiktoken split regex that gives the pre-tokenizer's pieces, add_prefix_space, "") for the two
+    supported forms — ByteLevel with its GPT-2 regex; Sequence[Split(regex, isolated), ByteLevel without
+    regex] — else (None, False, why not)."""
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return BYTE_LEVEL_PATTERN, bool(pre.get("add_prefix_space")), ""
+    steps = pre.get("pretokenizers") or []
+    if pre.get("type") == "Sequence" and len(steps) == 2:
+        split, level = steps
+        regex = (split.get("pattern") or {}).get("Regex")
+        if (split.get("type") == "Split" and regex is not None and split.get("behavior") == "Isolated"
+                and not split.get("invert") and level.get("type") == "ByteLevel" and not level.get("use_regex", True)
+                and not level.get("add_prefix_space")):
+            return regex, False, ""
+    return None, False, f"pre-tokenizer {pre.get('type')} is neither ByteLevel with its regex nor a regex Split " \
+                        "then ByteLevel"
 
 PROBE = ("Hello, world! It's 3.14159 — naïve café; I'll we've they're. \t\n\n  x  \n"
          "def f(x):\n    return x ** 2  # comment\r\n\tif a != b: pass\n"
          "Привет мир. 你好，世界。こんにちは。안녕하세요. مرحبا بالعالم. שלום. नमस्ते. ภาษาไทย\n"
-         "∑ᵢ xᵢ² ≤ ∞, α+β=γ; ½ ⅓ ² ١٢٣ 𝟙𝟚 😀👍🏽 👨‍👩‍👧 e\u0301 \u00a0\u1680\u2000\u2009\u200b\u2028\u2029\u202f"
+         "∑ᵢ xᵢ² ≤ ∞, α+β=γ; ½ ⅓ ² ١٢٣ 𝟙𝟚 1234567 x=12,345.6789 v1.2.3 2024-01-15 0x1F "
+         "😀👍🏽 👨‍👩‍👧 e\u0301 \u00a0\u1680\u2000\u2009\u200b\u2028\u2029\u202f"
          "\u205f\u3000\ufeff\u180e\u0085\x00\x01\x1b[0m\x7f   \n\n\n\t\t  end" + "a" * 300 + " " * 70)
 
 
@@ -109,8 +134,9 @@ def fast_encoder(hf) -> tuple[FastBPE | None, str]:
         return None, f"BPE options {options} not supported"
     if spec.get("normalizer") is not None:
         return None, "a normalizer is set"
-    if pre.get("type") != "ByteLevel" or not pre.get("use_regex", True):
-        return None, f"pre-tokenizer {pre.get('type')} is not ByteLevel with its regex"
+    pattern, prefix_space, why = split_pattern(pre)
+    if pattern is None:
+        return None, why
     if (spec.get("post_processor") or {}).get("type", "ByteLevel") != "ByteLevel":
         return None, "a post-processor other than ByteLevel is set"
     added = spec.get("added_tokens") or []
@@ -133,11 +159,11 @@ def fast_encoder(hf) -> tuple[FastBPE | None, str]:
             return None, f"merge {left!r} {right!r} is out of rank order"  # (also: two merges make one token)
         previous = ids[2]
     try:
-        encoding = tiktoken.Encoding("ultratron-bpe", pat_str=BYTE_LEVEL_PATTERN, mergeable_ranks=ranks,
+        encoding = tiktoken.Encoding("ultratron-bpe", pat_str=pattern, mergeable_ranks=ranks,
                                      special_tokens=specials)
     except Exception as err:  # noqa: BLE001 — tiktoken's own checks; any failure means: keep HF
         return None, f"tiktoken refused the vocabulary ({err})"
-    fast = FastBPE(encoding, frozenset(specials), bool(pre.get("add_prefix_space")))
+    fast = FastBPE(encoding, frozenset(specials), prefix_space)
     # condition 2: every token alone, as one pre-token (its byte characters), merges into itself
     bad = [token for token, i in vocab.items()
            if token not in specials and [t.id for t in hf.model.tokenize(token)] != [i]]

@@ -3,7 +3,9 @@ number of ranks.
 
 The global stream is a seeded permutation of all sequences (windows of seq_len + 1 tokens with
 stride seq_len, never crossing a shard), followed by another permutation for the next epoch, and
-so on. The loader's position is global too: the number of sequences of that stream consumed so
+so on; over shards on an object store (data/remote.py) each epoch's permutation works within
+windows of the set's `window` shards, so that only a window's shards are needed at a time
+(data/order.py). The loader's position is global too: the number of sequences of that stream consumed so
 far by every rank together (`consumed`). Each micro-batch step consumes the next
 `dp_world × micro_batch_size` sequences and rank r reads the r-th block of them, so the ranks see
 disjoint data that together is exactly the one-rank stream with a dp_world-times larger
@@ -25,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ultratron.data.order import make_order
 from ultratron.data.shards import DOC_START, LOSS, ShardSet
 from ultratron.errors import DataError
 
@@ -55,13 +58,15 @@ class TokenLoader:
     def __init__(self, shards: ShardSet, *, seq_len: int, micro_batch_size: int,
                  dp_rank: int = 0, dp_world: int = 1, seed: int = 0, documents: bool = False):
         self.shards, self.documents = shards, documents
+        self.window = getattr(shards, "window", 0)  # 0: one permutation of the whole epoch
         self.seq_len, self.micro_batch_size, self.seed = seq_len, micro_batch_size, seed
         self.view(dp_rank, dp_world)
         self.packed = shards.flags is not None
         if self.packed and shards.meta["packed"] != seq_len:
             raise DataError(f"{shards.root}: conversations were packed into sequences of {shards.meta['packed']} "
                             f"tokens, not training.seq_len={seq_len}; prepare the data again")
-        per_shard = [len(t) // seq_len if self.packed else max(0, (len(t) - 1) // seq_len) for t in shards.tokens]
+        lengths = [s["n_tokens"] for s in shards.meta["shards"]]
+        per_shard = [n // seq_len if self.packed else max(0, (n - 1) // seq_len) for n in lengths]
         self._first = np.concatenate([[0], np.cumsum(per_shard)]).astype(np.int64)
         self.n_sequences = int(self._first[-1])
         needed = micro_batch_size * dp_world
@@ -72,7 +77,7 @@ class TokenLoader:
                 "training.seq_len / training.micro_batch_size"
             )
         self.consumed = 0  # sequences of the global stream consumed so far, by every rank, over every epoch
-        self._orders: dict[int, np.ndarray] = {}
+        self.order = make_order(self._first, seed, self.window)
 
     def view(self, dp_rank: int, dp_world: int) -> None:
         """Read as rank `dp_rank` of `dp_world` from the next micro-batch step on."""
@@ -85,12 +90,6 @@ class TokenLoader:
         """How many times the whole data has been used up (the epoch the next sequence is in)."""
         return self.consumed // self.n_sequences
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}  # at most two are in use
-            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_sequences)
-        return self._orders[epoch]
-
     def indices_at(self, start: int, count: int) -> np.ndarray:
         """Sequence indices of positions start .. start + count - 1 of the global stream."""
         positions = np.arange(start, start + count, dtype=np.int64)
@@ -98,7 +97,7 @@ class TokenLoader:
         out = np.empty(count, dtype=np.int64)
         for epoch in np.unique(epochs):  # one, or two where the block straddles the end of an epoch
             mask = epochs == epoch
-            out[mask] = self._order(int(epoch))[positions[mask] - epoch * self.n_sequences]
+            out[mask] = self.order.in_epoch(int(epoch), positions[mask] - epoch * self.n_sequences)
         return out
 
     def _sequence(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -119,6 +118,8 @@ class TokenLoader:
         """Sequence indices of this rank's next micro-batch (advances the global position by the
         whole micro-batch step: every rank's block)."""
         begin = self.consumed + self.dp_rank * self.micro_batch_size
+        if self.window and (ahead := self.order.shards_ahead(begin)) is not None:
+            self.shards.advise(*ahead)  # what the shard cache should hold now and fetch next
         self.consumed += self.micro_batch_size * self.dp_world
         return self.indices_at(begin, self.micro_batch_size)
 
@@ -129,20 +130,21 @@ class TokenLoader:
         return batch_of(windows, self.shards.meta["eos_id"], self.documents)
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "seed": self.seed, "n_sequences": self.n_sequences, "seq_len": self.seq_len}
+        state = {"consumed": self.consumed, "seed": self.seed, "n_sequences": self.n_sequences, "seq_len": self.seq_len}
+        return state | ({"window": self.window} if self.window else {})
 
     def metrics(self) -> dict[str, float]:
-        """Per-source counters (a mixture's); one dataset has none beyond the trainer's own."""
-        return {}
+        """The shard cache's counters where the shards are fetched (data/remote.py); else none."""
+        return getattr(self.shards, "metrics", dict)()
 
     def load_state_dict(self, state: dict) -> None:
         if "names" in state:
             raise DataError(f"data loader state is of the mixture {state['names']}, but the data is one dataset now "
                             "(was data.sources removed?)")
-        for key in ("seed", "n_sequences", "seq_len"):
-            if state[key] != getattr(self, key):
+        for key in ("seed", "n_sequences", "seq_len", "window"):
+            if (saved := state.get(key, 0)) != getattr(self, key):  # (a state saved on local data has no window)
                 raise DataError(
-                    f"data loader state does not match the data: saved {key}={state[key]}, "
+                    f"data loader state does not match the data: saved {key}={saved}, "
                     f"now {getattr(self, key)} (were the shards or training.seq_len changed?)"
                 )
         if "consumed" in state:

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 from ultratron.data.loader import TokenLoader, batch_of
 from ultratron.data.mixture_spec import MixtureSpec
-from ultratron.data.prepare import PreparedData
-from ultratron.data.shards import ShardSet
+from ultratron.data.prepare import PreparedData, open_shards
 from ultratron.errors import DataError
 
 
 class MixtureLoader:
-    def __init__(self, spec: MixtureSpec, shards: list[ShardSet], *, seq_len: int, micro_batch_size: int,
+    def __init__(self, spec: MixtureSpec, shards: list, *, seq_len: int, micro_batch_size: int,
                  dp_rank: int = 0, dp_world: int = 1, seed: int = 0, exhausted: str = "repeat",
                  use_schedule: bool = True, documents: bool = False):
         if exhausted not in ("repeat", "stop"):
@@ -102,10 +101,14 @@ class MixtureLoader:
         return batch_of(windows, self.sources[0].shards.meta["eos_id"], self.documents)
 
     def metrics(self) -> dict[str, float]:
-        """Tokens trained on per source (all ranks) and how often each was used up and repeated."""
+        """Tokens trained on per source (all ranks) and how often each was used up and repeated; the
+        shard caches' counters (data/remote.py) summed over the sources on an object store."""
         out = {f"tokens/{n}": seen * self.seq_len for n, seen in zip(self.spec.names, self.sequences_seen,
                                                                       strict=True)}
         out |= {f"repeats/{n}": s.epoch for n, s in zip(self.spec.names, self.sources, strict=True)}
+        for source in self.sources:  # the shard caches of sources on an object store, added up
+            for key, value in source.metrics().items():
+                out[key] = out.get(key, 0) + value
         return out
 
     def state_dict(self) -> dict:
@@ -145,11 +148,11 @@ def open_loader(data: PreparedData, split: str, *, seq_len: int, micro_batch_siz
         root = data.train_dir if split == "train" else data.val_dir
         if root is None:
             return None
-        return TokenLoader(ShardSet.open(root), seq_len=seq_len, micro_batch_size=micro_batch_size,
+        return TokenLoader(open_shards(data, root), seq_len=seq_len, micro_batch_size=micro_batch_size,
                            dp_rank=dp_rank, dp_world=dp_world, seed=seed, documents=documents)
     spec = data.mixture
     if split == "train":
-        return MixtureLoader(spec, [ShardSet.open(train) for train, _ in data.sources], seq_len=seq_len,
+        return MixtureLoader(spec, [open_shards(data, train) for train, _ in data.sources], seq_len=seq_len,
                              micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_world=dp_world, seed=seed,
                              exhausted=exhausted, documents=documents)
     keep = [i for i, (_, val) in enumerate(data.sources) if val is not None and spec.weights[i] > 0]
@@ -158,7 +161,7 @@ def open_loader(data: PreparedData, split: str, *, seq_len: int, micro_batch_siz
     total = sum(spec.weights[i] for i in keep)
     val_spec = MixtureSpec(tuple(spec.names[i] for i in keep), tuple(spec.paths[i] for i in keep),
                            tuple(spec.weights[i] / total for i in keep))
-    return MixtureLoader(val_spec, [ShardSet.open(data.sources[i][1]) for i in keep], seq_len=seq_len,
+    return MixtureLoader(val_spec, [open_shards(data, data.sources[i][1]) for i in keep], seq_len=seq_len,
                          micro_batch_size=micro_batch_size, seed=seed, use_schedule=False, documents=documents)
 
 
@@ -177,7 +180,7 @@ def source_loaders(data: PreparedData, split: str, *, seq_len: int, micro_batch_
         if root is None:
             continue
         try:
-            out[name] = TokenLoader(ShardSet.open(root), seq_len=seq_len, micro_batch_size=micro_batch_size,
+            out[name] = TokenLoader(open_shards(data, root), seq_len=seq_len, micro_batch_size=micro_batch_size,
                                     seed=seed, documents=documents)
         except DataError:
             continue

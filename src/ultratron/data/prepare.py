@@ -16,7 +16,8 @@ from pathlib import Path
 
 from ultratron.data.conversations import prepare_chat
 from ultratron.data.mixture_spec import MixtureSpec, parse_mixture
-from ultratron.data.shards import META, ShardWriter, write_json_atomic
+from ultratron.data.objstore import is_url, join
+from ultratron.data.shards import META, ShardSet, ShardWriter, write_json_atomic
 from ultratron.data.sources import Document, held_out, iter_documents
 from ultratron.data.tokenizer import CONFIG_FILE, Tokenizer, train_tokenizer
 from ultratron.errors import DataError
@@ -33,6 +34,7 @@ class PreparedData:
     mixture: MixtureSpec | None = None
     sources: tuple[tuple[Path, Path | None], ...] = ()  # a mixture's (train, val) directories, in spec order
     val_sources: dict[str, Path] | None = None  # several chat files: each one's held-out shards, by name
+    remote: dict | None = None  # shards on an object store: data.endpoint, cache_limit, window, the cache root
 
 
 def _chat_prepared(tokenizer: Tokenizer, out_dir: Path, summary: dict) -> PreparedData:
@@ -84,8 +86,32 @@ def _write(docs: Iterator[Document], tokenizer: Tokenizer, out_dir: Path) -> dic
 
 
 def is_prepared_dir(path: str | Path | None) -> bool:
-    """A directory that already holds a tokenizer and train shards (e.g. `ultratron data`'s shard stage)."""
+    """A directory that already holds a tokenizer and train shards (e.g. `ultratron data`'s shard stage);
+    an object-store URL is taken for one (and checked when it is opened)."""
+    if is_url(path):
+        return True
     return path is not None and (Path(path) / "tokenizer.json").is_file() and (Path(path) / "train" / META).is_file()
+
+
+def remote_settings(data_cfg, out_dir: str | Path) -> dict:
+    """How shards on an object store are read: the endpoint, the cache's bound and window, where it lives."""
+    return {"endpoint": data_cfg.endpoint or None, "limit": data_cfg.cache_limit, "window": data_cfg.window,
+            "cache_root": str(Path(out_dir) / "remote")}
+
+
+def open_prepared_remote(url: str, vocab_size: int, settings: dict, log: Callable[[str], None] = print):
+    """A prepared directory on an object store: its small files copied into the local cache root and
+    checked as a local one's; the shards themselves are fetched as they are read (data/remote.py)."""
+    from ultratron.data.remote import fetch_prepared
+
+    url = url.rstrip("/")
+    local = Path(settings["cache_root"]) / hashlib.sha256(url.encode()).hexdigest()[:16]
+    prepared = open_prepared(fetch_prepared(url, local, settings["endpoint"]), vocab_size, log)
+    prepared.summary["source"] = url
+    prepared.train_dir = join(url, "train")
+    prepared.val_dir = join(url, "val") if prepared.val_dir is not None else None
+    prepared.remote = settings
+    return prepared
 
 
 def open_prepared(path: str | Path, vocab_size: int, log: Callable[[str], None] = print) -> PreparedData:
@@ -111,8 +137,10 @@ def open_prepared(path: str | Path, vocab_size: int, log: Callable[[str], None] 
     return PreparedData(tokenizer, splits["train"], splits.get("val"), summary)
 
 
-def open_mixture(data_cfg, vocab_size: int, log: Callable[[str], None] = print) -> PreparedData:
-    """A mixture's prepared sources, which must share one tokenizer (and data.tokenizer, if set)."""
+def open_mixture(data_cfg, vocab_size: int, log: Callable[[str], None] = print,
+                 settings: dict | None = None) -> PreparedData:
+    """A mixture's prepared sources, which must share one tokenizer (and data.tokenizer, if set);
+    local and object-store sources alike (`settings`: `remote_settings`)."""
     spec, problems = parse_mixture(data_cfg.sources, data_cfg.weights, data_cfg.schedule)
     if problems:
         raise DataError(problems)
@@ -121,7 +149,9 @@ def open_mixture(data_cfg, vocab_size: int, log: Callable[[str], None] = print) 
         if not is_prepared_dir(path):
             raise DataError(f"data source {name!r}: {path} is not a prepared directory (tokenizer.json + train/ "
                             "shards, as `ultratron data run` writes)")
-        opened.append(open_prepared(path, vocab_size, lambda message, name=name: log(f"{name}: {message}")))
+        named = lambda message, name=name: log(f"{name}: {message}")
+        opened.append(open_prepared_remote(path, vocab_size, settings, named) if is_url(path)
+                      else open_prepared(path, vocab_size, named))
     tokenizers = {name: p.tokenizer.sha256 for name, p in zip(spec.names, opened, strict=True)}
     if data_cfg.tokenizer:
         tokenizers["data.tokenizer"] = Tokenizer.load(data_cfg.tokenizer).sha256
@@ -132,7 +162,7 @@ def open_mixture(data_cfg, vocab_size: int, log: Callable[[str], None] = print) 
         + (f", then a schedule of {len(spec.schedule)} points" if spec.schedule else ""))
     summary = {"mixture": {n: p.summary for n, p in zip(spec.names, opened, strict=True)}}
     return PreparedData(opened[0].tokenizer, None, None, summary, spec,
-                        tuple((p.train_dir, p.val_dir) for p in opened))
+                        tuple((p.train_dir, p.val_dir) for p in opened), remote=settings)
 
 
 def prepare_data(data_cfg, vocab_size: int, out_dir: str | Path, log: Callable[[str], None] = print,
@@ -141,7 +171,9 @@ def prepare_data(data_cfg, vocab_size: int, out_dir: str | Path, log: Callable[[
     prepared directory used as it is, or else built from the text or, with data.format=chat, from
     conversations packed into sequences of `seq_len` tokens (and cached in `out_dir`)."""
     if data_cfg.sources:
-        return open_mixture(data_cfg, vocab_size, log)
+        return open_mixture(data_cfg, vocab_size, log, remote_settings(data_cfg, out_dir))
+    if is_url(data_cfg.path):
+        return open_prepared_remote(data_cfg.path, vocab_size, remote_settings(data_cfg, out_dir), log)
     if is_prepared_dir(data_cfg.path):
         return open_prepared(data_cfg.path, vocab_size, log)
     out_dir = Path(out_dir)
@@ -191,3 +223,18 @@ def prepare_data(data_cfg, vocab_size: int, out_dir: str | Path, log: Callable[[
     if not val["n_tokens"]:
         log("data: warning: no document was held out; validation loss is disabled")
     return PreparedData(tokenizer, out_dir / "train", out_dir / "val" if val["n_tokens"] else None, summary)
+
+
+def open_shards(data: PreparedData, root: str | Path):
+    """The shard set at `root`: memory-mapped where it is local, through the bounded local cache
+    where it is on an object store (one cache directory per set and process)."""
+    if not is_url(root):
+        return ShardSet.open(root)
+    import os
+
+    from ultratron.data.remote import open_remote
+
+    settings = data.remote or {}
+    cache = Path(settings["cache_root"]) / hashlib.sha256(str(root).encode()).hexdigest()[:16]
+    return open_remote(str(root), cache / f"rank{os.environ.get('RANK', '0')}", limit=settings["limit"],
+                       window=settings["window"], endpoint=settings["endpoint"])

@@ -6,11 +6,14 @@ each document's first token). Packed shards (chat data, `data/conversations.py`)
 of exactly `packed` tokens, without EOS between documents, and per token a flags byte in
 `NAME.flags.bin`: LOSS (the token counts in the loss as a target) and DOC_START (a document
 begins here). Every file is written under a temporary name and renamed, and
-`meta.json` comes last: a directory without it is not a finished shard set.
+`meta.json` comes last: a directory without it is not a finished shard set. `meta.json` lists each
+shard's size in bytes and SHA-256 (`bytes`, `sha256`; a packed set's flags too, `flags_sha256`),
+which a reader that fetches a shard from an object store checks (`verify_shard`, data/remote.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,6 +33,27 @@ LOSS, DOC_START = 1, 2  # bits of a packed shard's flags byte
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_shard(path: Path, entry: dict, where: str, flags: bool = False) -> None:
+    """Refuse a fetched shard file whose size or SHA-256 is not what `meta.json` lists
+    (`where`: the shard's name in its set, for the error). A set written before hashes were listed
+    is checked for its size only."""
+    size = entry["n_tokens"] if flags else entry.get("bytes")
+    expected = entry.get("flags_sha256" if flags else "sha256")
+    actual_size = path.stat().st_size
+    if size is not None and actual_size != size:
+        raise DataError(f"shard {where} is corrupt: {actual_size} bytes, meta.json lists {size}")
+    if expected is not None and (actual := sha256_file(path)) != expected:
+        raise DataError(f"shard {where} is corrupt: its sha256 is {actual}, meta.json lists {expected}")
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -73,13 +97,17 @@ class ShardWriter:
         if not self._tokens:
             return
         name = f"{self.prefix}_{len(self.shards):05d}"
+        entry: dict = {"name": name, "n_tokens": self._count, "n_documents": len(self._starts)}
         if self._flags:
-            atomic.write_bytes(self.out_dir / f"{name}.flags.bin", np.concatenate(self._flags).tobytes(), durable=True)
+            flags = np.concatenate(self._flags).tobytes()
+            atomic.write_bytes(self.out_dir / f"{name}.flags.bin", flags, durable=True)
+            entry["flags_sha256"] = hashlib.sha256(flags).hexdigest()
             self._flags = []
-        atomic.write_bytes(self.out_dir / f"{name}.bin", np.concatenate(self._tokens).tobytes(), durable=True)
+        tokens = np.concatenate(self._tokens).tobytes()
+        atomic.write_bytes(self.out_dir / f"{name}.bin", tokens, durable=True)
         with atomic.atomic_path(self.out_dir / f"{name}.idx.npy", keep_suffix=True) as tmp:  # np.save wants .npy
             np.save(tmp, np.asarray(self._starts, dtype=np.int64))
-        self.shards.append({"name": name, "n_tokens": self._count, "n_documents": len(self._starts)})
+        self.shards.append(entry | {"bytes": len(tokens), "sha256": hashlib.sha256(tokens).hexdigest()})
         self._tokens, self._starts, self._count = [], [], 0
 
     def close(self, extra: dict | None = None) -> dict:

@@ -13,9 +13,10 @@ import json
 import os
 import sysconfig
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import IO, NamedTuple
 
 from ultratron.errors import DataError
 
@@ -45,11 +46,11 @@ class JsonLine(NamedTuple):
     detail: str | None = None
 
 
-def iter_jsonl(path: str | Path) -> Iterator[JsonLine]:
-    """Every non-blank line of a JSONL file, parsed; a bad line comes with its problem instead of
-    stopping the reader, so each reader counts it and goes on (its own rules say what a good
-    value is)."""
-    with open(path, "rb") as fh:
+def iter_jsonl(path: str | Path | IO[bytes]) -> Iterator[JsonLine]:
+    """Every non-blank line of a JSONL file (a path, or a binary file object: a decompressing
+    stream, an object-store file), parsed; a bad line comes with its problem instead of stopping
+    the reader, so each reader counts it and goes on (its own rules say what a good value is)."""
+    with (open(path, "rb") if isinstance(path, str | Path) else nullcontext(path)) as fh:
         for number, raw in enumerate(fh, start=1):
             if not raw.strip():
                 continue

@@ -16,11 +16,11 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from ultratron import atomic
-from ultratron.data.fast_bpe import FastBPE, fast_encoder
+from ultratron.data.fast_bpe import DIGIT_GROUPS_PATTERN, FastBPE, fast_encoder
 from ultratron.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
@@ -137,12 +137,25 @@ class Tokenizer:
         return config
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
-    """Train byte-level BPE with `vocab_size` entries (including the 256 bytes and EOS)."""
+def pre_tokenizer(split_digits: bool = True):
+    """GPT-2's byte-level pre-tokenizer; with `split_digits`, its regex with numbers cut into groups of at
+    most three digits (Llama 3's `p{N}{1,3}` regex, `fast_bpe.DIGIT_GROUPS_PATTERN`): "1234567" is three
+    pre-tokens, 123 456 7, so a number's tokens follow its digits, and no merge joins a space to them."""
+    if not split_digits:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(DIGIT_GROUPS_PATTERN), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
+                    split_digits: bool = True) -> Tokenizer:
+    """Train byte-level BPE with `vocab_size` entries (including the 256 bytes and EOS); numbers in
+    groups of at most three digits unless `split_digits` is False (`pre_tokenizer`). A tokenizer.json
+    loaded keeps the pre-tokenizer it was trained with."""
     if vocab_size < 257 + 1:
         raise DataError(f"vocab_size={vocab_size} is too small: byte-level BPE needs at least 258 entries")
     hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.pre_tokenizer = pre_tokenizer(split_digits)
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

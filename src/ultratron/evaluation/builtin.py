@@ -21,7 +21,9 @@ from ultratron.errors import TaskError
 from ultratron.evaluation.tasks import ChoiceExample, GenerationExample, Task, TextExample, load_task_file
 
 BUILTIN_TASKS = ("builtin_bpb", "builtin_next_line", "builtin_identifier_cloze", "builtin_arithmetic")
-HELD_OUT_FRACTION = 0.05  # the trainer's default data.held_out_fraction
+# The trainer's default data.held_out_fraction: the suite's split when the run that is evaluated did not
+# train on the built-in corpus (or is unknown: an endpoint), see `suite_fraction`.
+HELD_OUT_FRACTION = 0.05
 PER_TASK = 200
 CONTEXT_LINES, CONTEXT_CHARS = 3, 100  # identifier cloze
 # Next line: the context is the previous several lines; the real line is a short code line that
@@ -149,16 +151,53 @@ def builtin_suite(fraction: float = HELD_OUT_FRACTION) -> tuple[Task, ...]:
             arithmetic_task(random.Random(3)))
 
 
-def resolve_tasks(spec: str) -> list[Task]:
-    """`builtin`, built-in task names and task files, comma-separated."""
+def suite_fraction(cfg=None) -> float:
+    """The held-out fraction the built-in suite is built with for a run of config `cfg`: the run's own
+    `data.held_out_fraction` when it trained on the built-in corpus, so the suite is always part of
+    the split the run held out and never a file it trained on (a fixed 0.05 would evaluate a run
+    holding out 0.01 on files it trained on); else (another corpus, or no config) `HELD_OUT_FRACTION`.
+    A run on the built-in corpus that held out nothing has no file the suite may use: refused."""
+    data = getattr(cfg, "data", None)
+    if data is None or data.path is not None or data.sources:
+        return HELD_OUT_FRACTION
+    if data.held_out_fraction <= 0:
+        raise TaskError("the run trained on every file of the built-in corpus (data.held_out_fraction = 0), so the "
+                        "built-in suite has no file it was not trained on; evaluate it on task files instead")
+    return data.held_out_fraction
+
+
+def example_texts(task: Task) -> list[str]:
+    """What a model is shown and must produce for each example, as one text: the text; the context
+    with the right choice (and the cloze's suffix); the prompt with its target. What decontamination
+    looks for in training data."""
+    texts = []
+    for ex in task.examples:
+        if isinstance(ex, TextExample):
+            texts.append(ex.text)
+        elif isinstance(ex, ChoiceExample):
+            texts.append(ex.context + ex.choices[ex.answer] + ex.suffix)
+        else:
+            texts.append(f"{ex.prompt} {ex.target}")
+    return texts
+
+
+def task_texts(spec: str, held_out_fraction: float = HELD_OUT_FRACTION) -> dict[str, list[str]]:
+    """Task name → its examples' texts (`example_texts`), for every task `spec` resolves to: the
+    curation's decontaminate stage takes it (`run_stage(..., task_texts=task_texts)`)."""
+    return {task.name: example_texts(task) for task in resolve_tasks(spec, held_out_fraction)}
+
+
+def resolve_tasks(spec: str, held_out_fraction: float = HELD_OUT_FRACTION) -> list[Task]:
+    """`builtin`, built-in task names and task files, comma-separated; the built-in suite made from the
+    `held_out_fraction` split (`suite_fraction` of the run evaluated)."""
     tasks: list[Task] = []
     for item in (s.strip() for s in spec.split(",")):
         if not item:
             continue
         if item == "builtin":
-            tasks.extend(builtin_suite())
+            tasks.extend(builtin_suite(held_out_fraction))
         elif item in BUILTIN_TASKS:
-            tasks.extend(t for t in builtin_suite() if t.name == item)
+            tasks.extend(t for t in builtin_suite(held_out_fraction) if t.name == item)
         elif item.endswith((".json", ".jsonl")) or Path(item).exists():
             tasks.append(load_task_file(item))
         else:

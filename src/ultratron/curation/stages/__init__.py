@@ -12,12 +12,14 @@ from collections.abc import Callable
 
 from ultratron.curation.frame import StageContext
 from ultratron.curation.stages import (
+    decontaminate,
     exact_dedup,
     filters,
     language,
     near_dedup,
     normalize,
     perplexity,
+    pii,
     read,
     shard,
     substring_dedup,
@@ -33,6 +35,8 @@ RUNNERS: dict[str, Callable[[StageContext], dict]] = {
     "near-dedup": near_dedup.run,
     "substring-dedup": substring_dedup.run,
     "filter": filters.run,
+    "decontaminate": decontaminate.run,
+    "pii": pii.run,
     "perplexity": perplexity.run,
     "tokenize": tokenize.run,
     "shard": shard.run,

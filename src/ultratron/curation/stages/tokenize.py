@@ -121,6 +121,15 @@ def format_language_table(table: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def format_domain_table(domains: dict[str, dict]) -> str:
+    """The audit's probe texts (`curation/audit.py`: prose per script, code, mathematics) per domain."""
+    lines = ["| domain (probe text) | bytes | bytes/token | tokens/word | round trip |", "|---|---:|---:|---:|---|"]
+    for name, row in sorted(domains.items()):  # (sorted: a resumed stage's summary has its keys sorted)
+        lines.append(f"| {name} | {row['bytes']} | {row['bytes_per_token']} | {row['tokens_per_word']} | "
+                     f"{'yes' if row['round_trip'] else 'NO'} |")
+    return "\n".join(lines)
+
+
 def _language_sample(parts: list[Path], fraction: float) -> tuple[list[dict], dict[str, str]]:
     """Encoded records per language for its figures: the held-out ones, or all of a language that
     has none held out; at most LANGUAGE_SAMPLE_BYTES of each. (records, language → which split)."""
@@ -204,7 +213,7 @@ def run(ctx: StageContext) -> dict:
         row["measured_on"] = split[lang]
     audit["languages"] = table
     write_json(ctx.out_dir / AUDIT_FILE, audit)
-    return {"tokenizer_languages": table,
+    return {"tokenizer_languages": table, "tokenizer_domains": audit["domains"],
             "tokenizer": str(path), "tokenizer_sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
             "audit_warnings": audit["warnings"], "audit_round_trip": audit["all_round_trip"],
             "audit_unknown_tokens": audit["unknown_tokens"], "train_cpu_seconds": train_cpu,
