@@ -25,17 +25,23 @@ from concurrent.futures import ThreadPoolExecutor
 LENGTHS = (16, 128, 32, 64, 16, 96, 24, 48)
 
 
-def tiny_checkpoint(root: str) -> str:
+def train_checkpoint(root: str, shape: list[str], steps: int) -> str:
+    """A checkpoint of `steps` steps on the built-in corpus (300 kB of it), model `shape` overrides."""
     from ultratron.config import load_config
     from ultratron.training.trainer import train
 
-    overrides = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-                 "--model.ffn_dim", "128", "--model.vocab_size", "512", "--training.seq_len", "64",
-                 "--training.micro_batch_size", "4", "--training.batch_tokens", "512", "--training.steps", "20",
-                 "--training.progress", "false", "--training.sample_tokens", "0", "--run.tensorboard", "false",
-                 "--eval.interval", "0", "--data.max_bytes", "300000", "--run.dir", root + "/run"]
+    overrides = [*shape, "--training.micro_batch_size", "4", "--training.batch_tokens", "512",
+                 "--training.steps", str(steps), "--training.progress", "false", "--training.sample_tokens", "0",
+                 "--run.tensorboard", "false", "--eval.interval", "0", "--data.max_bytes", "300000",
+                 "--run.dir", root + "/run"]
     train(load_config(None, overrides), echo=False)
     return root + "/run"
+
+
+def tiny_checkpoint(root: str) -> str:
+    return train_checkpoint(root, ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",
+                                   "--model.n_kv_heads", "2", "--model.ffn_dim", "128", "--model.vocab_size", "512",
+                                   "--training.seq_len", "64"], steps=20)
 
 
 def free_port() -> int:
@@ -44,19 +50,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(ckpt: str, batching: str, slots: int) -> tuple[subprocess.Popen, str]:
+def start_server(ckpt: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`ultratron serve` of `ckpt` with `flags` on a free port, once its /health answers."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ultratron", "serve", "--checkpoint", ckpt, "--port", str(port),
-                             "--batching", batching, "--max-batch", str(slots), "--threads", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
-            urllib.request.urlopen(url + "/health", timeout=1)
+            urllib.request.urlopen(url + "/health", timeout=5)
             return proc, url
         except OSError:
             time.sleep(0.2)
-    raise RuntimeError(f"the {batching} server did not start")
+    raise RuntimeError(f"the server ({' '.join(flags)}) did not start")
+
+
+def start(ckpt: str, batching: str, slots: int) -> tuple[subprocess.Popen, str]:
+    return start_server(ckpt, "--batching", batching, "--max-batch", str(slots), "--threads", "1")
 
 
 def one(url: str, i: int) -> tuple[float, int]:

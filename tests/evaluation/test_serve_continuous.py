@@ -3,7 +3,6 @@ first (and the fixed-group policy, for contrast, makes it wait); joining and lea
 sequence's tokens as they would be alone; a full queue answers 429; the tokenizer's chat template."""
 
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -15,6 +14,8 @@ import torch
 from ultratron.inference.engine import SamplingParams, Sequence, run_batch
 from ultratron.models.llama import Llama, LlamaArgs
 from ultratron.serving.batcher import Batcher
+
+from .serving import running_server
 
 LONG = 512
 
@@ -98,31 +99,13 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endf
 def http(model, small_corpus):
     """An in-process server with one slot and room for one waiting sequence; its tokenizer has a
     chat template (as an imported model's does)."""
-    import uvicorn
-
     from ultratron.data.tokenizer import Tokenizer, train_tokenizer
-    from ultratron.serving.server import Server, ServerLimits, create_app
 
     texts = [p.read_text() for p in sorted(small_corpus.glob("*.py"))[:4]]
     base = train_tokenizer(texts, 300)
     tokenizer = Tokenizer(base.hf, chat_template=TEMPLATE)
-    server = Server(model, tokenizer, limits=ServerLimits(max_batch_rows=1, max_queue=1))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.05)
-    yield url, server, tokenizer
-    uv.should_exit = True
-    thread.join(timeout=10)
+    with running_server(model, tokenizer, max_batch_rows=1, max_queue=1) as (url, server):
+        yield url, server, tokenizer
 
 
 def _post(url, path, body):

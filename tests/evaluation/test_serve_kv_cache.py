@@ -32,7 +32,8 @@ def test_cached_forward_matches_full_forward_for_ragged_rows():
 
 def test_greedy_batch_equals_uncached_generate_and_softcap_path():
     moe = {"n_experts": 4, "n_active_experts": 2, "expert_ffn_dim": 32, "n_shared_experts": 1}  # serves as is
-    for kw in ({}, {"attn_softcap": 20.0, "qk_norm": True}, moe):
+    window = {"sliding_window": 4, "sliding_window_pattern": 2}  # the cache keeps every key; the mask the window
+    for kw in ({}, {"attn_softcap": 20.0, "qk_norm": True}, moe, window):
         model = _model(**kw)
         prompts = [[3, 5, 7], [9, 1, 4, 4, 2, 8, 6], [12]]
         seqs = [Sequence(p, SamplingParams(max_tokens=10, temperature=0, logprobs=2, echo=True)) for p in prompts]

@@ -16,7 +16,7 @@ from ultratron.config import Config, load_config
 from ultratron.data.tokenizer import Tokenizer
 from ultratron.errors import CheckpointError
 from ultratron.models.lora import apply_lora, is_adapter, merged_state
-from ultratron.models.registry import build_model, plan_of
+from ultratron.models.registry import build_empty, plan_of
 
 
 @dataclass
@@ -28,11 +28,33 @@ class LoadedModel:
     step: int | None
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def inference_dtype(name: str | None, device: str | torch.device) -> torch.dtype:
+    """`name` (fp32, bf16) as a torch dtype; None: bf16 on a GPU, fp32 on a CPU (whose bf16 matmuls
+    are slower than fp32 ones on most CPUs without AMX, and the tests compare against fp32)."""
+    if name is None:
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise CheckpointError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
 def load_for_inference(checkpoint: str | Path, device: str | torch.device = "cpu",
-                       endpoint: str | None = None) -> LoadedModel:
-    """The model (eval mode, fp32, no gradients) and tokenizer of a checkpoint, run or checkpoints
-    directory, whatever layout wrote it; on local disk or at a URL as training writes them
-    (`s3://bucket/prefix`, with `endpoint` for an S3-compatible server; else AWS_ENDPOINT_URL or AWS)."""
+                       endpoint: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """The model (eval mode, no gradients, its weights in `dtype`: fp32 unless asked) and tokenizer
+    of a checkpoint, run or checkpoints directory, whatever layout wrote it; on local disk or at a URL
+    as training writes them (`s3://bucket/prefix`, with `endpoint` for an S3-compatible server; else
+    AWS_ENDPOINT_URL or AWS). The checkpoint is read in fp32 and then cast, so a bf16 model rounds
+    each weight once, as the trainer's bf16 autocast does."""
+    loaded = _load(checkpoint, device, endpoint)
+    if dtype != torch.float32:
+        loaded.model.to(dtype)
+    return loaded
+
+
+def _load(checkpoint: str | Path, device, endpoint: str | None) -> LoadedModel:
     if is_url(checkpoint):
         return _load_remote(str(checkpoint), device, endpoint)
     ckpt_dir = resolve_checkpoint_dir(checkpoint)
@@ -67,7 +89,8 @@ def _merged_lora(cfg: Config, ckpt_dir: Path, model: torch.nn.Module, device) ->
 
 
 def _model(cfg: Config, device) -> torch.nn.Module:
-    return build_model(cfg.model, device).eval().requires_grad_(False)
+    """Storage on `device` and no values (no initialization to throw away): the load fills it."""
+    return build_empty(cfg.model, device).eval().requires_grad_(False)
 
 
 def remote_checkpoint(url: str, endpoint: str | None = None) -> tuple[CheckpointRoot, str]:

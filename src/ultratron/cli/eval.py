@@ -30,14 +30,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ultratron.evaluation.backends import EndpointBackend, LocalBackend
-    from ultratron.evaluation.builtin import resolve_tasks
+    from ultratron.evaluation.builtin import resolve_tasks, suite_fraction
     from ultratron.evaluation.runner import evaluate, flat_metrics, format_table, write_json
 
     if s.threads > 0:
         torch.set_num_threads(s.threads)
-    tasks = resolve_tasks(s.tasks)
     backend = LocalBackend.from_checkpoint(s.checkpoint, s.device, s.checkpoint_endpoint) if s.checkpoint \
         else EndpointBackend.from_config(s)
+    # the built-in suite from the run's own held-out split (its config.toml), never its training files
+    tasks = resolve_tasks(s.tasks, suite_fraction(getattr(backend, "config", None)))
     results = evaluate(backend, tasks, s.max_examples or None, details=s.details)
     record = {"backend": backend.describe(), "step": s.step if s.step is not None else getattr(backend, "step", None),
               "tasks": results, "metrics": flat_metrics(results)}

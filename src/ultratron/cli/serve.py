@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ultratron.checkpoint.inference import load_for_inference
+    from ultratron.checkpoint.inference import inference_dtype, load_for_inference
     from ultratron.errors import ConfigError
     from ultratron.serving.server import Server, ServerLimits, listen, serve
 
@@ -34,15 +34,21 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(problems)
     if s.threads > 0:
         torch.set_num_threads(s.threads)
-    loaded = load_for_inference(s.checkpoint, s.device, s.checkpoint_endpoint)
+    dtype = inference_dtype(s.dtype, s.device)
+    loaded = load_for_inference(s.checkpoint, s.device, s.checkpoint_endpoint, dtype)
     limits = ServerLimits(max_body_bytes=s.max_body_bytes, max_batch_rows=s.max_batch, max_queue=s.max_queue,
-                          continuous=s.batching == "continuous", max_model_len=s.max_model_len)
+                          continuous=s.batching == "continuous", max_model_len=s.max_model_len,
+                          request_timeout=s.request_timeout or None, prefix_cache_tokens=s.prefix_cache_tokens,
+                          max_batched_tokens=s.max_batched_tokens)
     server = Server(loaded.model, loaded.tokenizer, s.model_name, s.api_key or os.environ.get("ULTRATRON_API_KEY"),
                     limits)
     sock = listen(s.host, s.port)  # before the line below, which names the port really served
     port = sock.getsockname()[1]
-    print(f"serving {loaded.checkpoint_dir} as {s.model_name!r} on http://{s.host}:{port}/v1 ({s.batching} "
+    print(f"serving {loaded.checkpoint_dir} as {s.model_name!r} on http://{s.host}:{port}/v1 "
+          f"({str(dtype).removeprefix('torch.')}, {s.batching} "
           f"batching, {s.max_batch} KV-cache slots × {server.context} positions = "
-          f"{server.batcher.kv_bytes / 2**20:.0f} MiB)", flush=True)
+          f"{server.batcher.kv_bytes / 2**20:.0f} MiB; prefix cache {s.prefix_cache_tokens} tokens = "
+          f"{server.batcher.prefix_cache_bytes / 2**20:.0f} MiB; {s.max_batched_tokens} prompt tokens per "
+          f"iteration)", flush=True)
     serve(server, sock)
     return 0

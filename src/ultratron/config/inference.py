@@ -35,10 +35,21 @@ class ServeSettings:
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (default: $ULTRATRON_API_KEY; none: open)")
     model_name: str = option("ultratron", "the model id clients pass")
     device: str = option("cpu", "device to run the model on")
+    dtype: str | None = option(None, "weights, activations and KV cache in bf16 or fp32 (default: bf16 on a GPU, "
+                                     "fp32 on a CPU); logits and log-probabilities are fp32 either way",
+                               choices=("bf16", "fp32"))
+    request_timeout: float = option(600.0, "seconds a non-streamed request may generate before it is stopped "
+                                           "and answered 504 (0: no limit); a client that disconnects stops "
+                                           "its generation at once", minimum=0)
     max_batch: int = option(32, "most sequences generated together (KV-cache slots)")
     max_queue: int = option(256, "waiting sequences before new requests are answered 429 (back-pressure)")
     max_model_len: int | None = option(None, "longest prompt + completion served (default: the model's context); "
                                              "each KV-cache slot reserves this many positions")
+    prefix_cache_tokens: int = option(32768, "prompt positions the prefix cache keeps (keys/values and the "
+                                             "prompt log-probabilities echo requests report), reused by later "
+                                             "prompts that start the same way; 0: off", minimum=0)
+    max_batched_tokens: int = option(8192, "prompt tokens computed per scheduler iteration; longer prompts are "
+                                           "prefilled in chunks between decode steps", minimum=1)
     batching: str = option("continuous", "continuous: requests join and leave the running batch at token "
                                          "boundaries; static: fixed groups, each run to its end",
                            choices=("continuous", "static"))

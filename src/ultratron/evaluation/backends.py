@@ -56,7 +56,7 @@ class LocalBackend:
     def from_checkpoint(cls, checkpoint, device: str = "cpu", endpoint: str | None = None) -> LocalBackend:
         loaded = load_for_inference(checkpoint, device, endpoint)
         backend = cls(loaded.model, loaded.tokenizer)
-        backend.step = loaded.step
+        backend.step, backend.config = loaded.step, loaded.config
         return backend
 
     def describe(self) -> str:

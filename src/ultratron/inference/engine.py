@@ -1,5 +1,6 @@
-"""Batched generation with a KV cache of per-sequence slots: prompts are prefilled, then every
-running sequence gets one token per step, and sequences join and leave between steps.
+"""Batched generation with a KV cache of per-sequence slots: prompts are prefilled (reusing what
+the prefix cache holds, a token budget at a time), then every running sequence gets one token per
+step, and sequences join and leave between steps.
 
 Used by the HTTP server (continuous batching: `Engine` under serving's Batcher) and by the local
 evaluation backend (`run_batch`). Each row keeps its own sampling settings (temperature, top-p,
@@ -15,7 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ultratron.inference.kv_cache import SlotCache
+from ultratron.inference.prefill import Prefill, PrefillStats
+from ultratron.inference.prefix_cache import PrefixCache
 from ultratron.models.registry import model_args
+from ultratron.models.sampling import keep_top_k
 
 
 @dataclass
@@ -31,6 +35,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # added to the logits before sampling (OpenAI's logit_bias)
     frequency_penalty: float = 0.0  # less per earlier occurrence of the token in the completion
     presence_penalty: float = 0.0  # less once the token has occurred in the completion
+    top_k: int = 0  # sample among the k most likely tokens only; 0 or -1: all
+    # constrained decoding: (generated ids, scores) -> scores with the tokens not allowed next at -inf
+    constrain: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass
@@ -83,7 +90,7 @@ def _adjusted(logp: torch.Tensor, params: SamplingParams, generated: list[int]) 
 def _sample(logp: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     if params.temperature <= 0:
         return int(logp.argmax())
-    probs = torch.softmax(logp / params.temperature, dim=-1)
+    probs = torch.softmax(keep_top_k(logp / params.temperature, params.top_k), dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # keeps at least the top token
@@ -115,7 +122,10 @@ class _Row:
     def push(self, logp: torch.Tensor) -> bool:
         """Sample the next token from log-probabilities `logp` (vocab,); True when the row is done."""
         seq, params = self.seq, self.seq.params
-        token = _sample(_adjusted(logp.cpu(), params, seq.token_ids), params, self.generator)
+        scores = _adjusted(logp.cpu(), params, seq.token_ids)
+        if params.constrain is not None:
+            scores = params.constrain(seq.token_ids, scores)
+        token = _sample(scores, params, self.generator)
         if token == self.eos_id and not params.ignore_eos:
             seq.finish_reason = "stop"
         else:
@@ -145,57 +155,178 @@ class _Row:
 class Engine:
     """Continuous batching: sequences join and leave the running batch at token boundaries.
 
-    Each running sequence owns a slot of the KV cache. `admit` prefills new sequences into free
-    slots (one forward over their prompts) while the others wait one step; `step` samples every
-    running sequence's next token, lets the finished ones go (their slots are reused at once) and
-    forwards the rest by one token. A scheduler around it (serving's Batcher) decides who is
-    admitted when; `run_batch` admits everything and steps until done.
+    Each admitted sequence owns a slot of the KV cache. `admit` queues new sequences for prefill
+    and runs prefill forwards of at most `max_batched_tokens` tokens (less the running rows' one
+    each): a prompt longer than that is prefilled in chunks over several calls, the running rows
+    stepping in between. With a prefix cache (`prefix_cache_tokens` > 0) a prompt's longest cached
+    prefix is copied into its slot and only the rest computed; a prompt that shares an uncached
+    prefix with one being prefilled waits for it and then reuses it. `step` samples every running
+    sequence's next token, lets the finished ones go (their slots are reused at once) and forwards
+    the rest by one token. A scheduler around it (serving's Batcher) decides who is admitted when;
+    `run_batch` admits everything and steps until done.
+
+    Counters for monitoring (`stats()`, also plain attributes): `prefill.prompt_tokens` (prompt
+    tokens of the sequences admitted), `prefill.computed_tokens` (those the model computed; the
+    rest came from the prefix cache), `prefill.cached_tokens`; the prefix cache's `bytes`,
+    `budget_bytes`, `lookups`, `hit_lookups`; the KV slots' `kv_tokens` (positions held now) and
+    `kv_peak_tokens` (the most held after any forward) against `kv_capacity` (slots × positions).
     """
 
-    def __init__(self, model, eos_id: int, decode: Callable[[list[int]], str], slots: int, capacity: int):
+    def __init__(self, model, eos_id: int, decode: Callable[[list[int]], str], slots: int, capacity: int, *,
+                 prefix_cache_tokens: int = 0, cache_top_k: int = 20, max_batched_tokens: int | None = None,
+                 block: int = 16):
         self.model, self.eos_id, self.decode = model, eos_id, decode
         self.device = next(model.parameters()).device
         self.cache = SlotCache(model, slots, min(capacity, model_args(model).max_seq_len))
+        self.top_k = min(cache_top_k, model_args(model).vocab_size)  # alternatives kept per prompt position
+        self.prefix = PrefixCache(model, prefix_cache_tokens, self.top_k, block) if prefix_cache_tokens > 0 else None
+        self.max_batched_tokens = max_batched_tokens or slots * self.cache.capacity
         self.rows: list[_Row] = []  # row i occupies slot i
         self.pending: list[torch.Tensor] = []  # row i's log-probabilities for its next token
+        self.queue: list[Prefill] = []  # admitted, prompt not computed yet; each holds a slot past the rows
+        self.prefill = PrefillStats()
+        self.kv_peak_tokens = 0
 
     @property
     def free(self) -> int:
-        return self.cache.slots - len(self.rows)
+        return self.cache.slots - len(self.rows) - len(self.queue)
+
+    @property
+    def busy(self) -> bool:
+        """Work left: rows to step or prompts to prefill."""
+        return bool(self.rows or self.queue)
+
+    @property
+    def kv_tokens(self) -> int:
+        return int(self.cache.lengths.sum())
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.cache.slots * self.cache.capacity
+
+    def stats(self) -> dict:
+        """Counters for /metrics: prompt tokens admitted and computed, prefix-cache use, KV use."""
+        out = {**vars(self.prefill), "kv_tokens": self.kv_tokens, "kv_peak_tokens": self.kv_peak_tokens,
+               "kv_capacity": self.kv_capacity,
+               "running": len(self.rows), "prefilling": len(self.queue)}
+        if self.prefix is not None:
+            out["prefix_cache"] = self.prefix.stats()
+        return out
 
     @torch.no_grad()
     def admit(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Prefill `seqs` into free slots; returns those finished already (max_tokens 0)."""
+        """Queue `seqs` for prefill, each in a free slot, and prefill within the token budget;
+        returns the sequences finished already (max_tokens 0)."""
         if len(seqs) > self.free:
             raise ValueError(f"{len(seqs)} sequences do not fit the {self.free} free slots")
-        lengths = [len(s.prompt_ids) for s in seqs]
-        if not seqs or min(lengths) == 0:
-            if seqs:
-                raise ValueError("every prompt needs at least one token")
-            return []
-        if max(lengths) > self.cache.capacity:
-            raise ValueError(f"a prompt of {max(lengths)} tokens exceeds the cache capacity {self.cache.capacity}")
-        lo = len(self.rows)
-        for slot in range(lo, lo + len(seqs)):
+        if any(not s.prompt_ids for s in seqs):
+            raise ValueError("every prompt needs at least one token")
+        longest = max((len(s.prompt_ids) for s in seqs), default=0)
+        if longest > self.cache.capacity:
+            raise ValueError(f"a prompt of {longest} tokens exceeds the cache capacity {self.cache.capacity}")
+        held = {p.slot for p in self.queue}
+        free = (slot for slot in range(len(self.rows), self.cache.slots) if slot not in held)
+        for s, slot in zip(seqs, free, strict=False):
             self.cache.reset(slot)
-        view = self.cache.rows(lo, lo + len(seqs))
-        tokens = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            tokens[i, : lengths[i]] = torch.tensor(s.prompt_ids)
-        logp = torch.log_softmax(self.model(tokens.to(self.device), view).float(), dim=-1).cpu()
-        view.advance(torch.tensor(lengths, device=self.device))
-        for i, s in enumerate(seqs):
-            if s.params.echo:
-                s.prompt_tokens = [TokenInfo(s.prompt_ids[0], None, None)] + [
-                    TokenInfo(tok, float(logp[i, t - 1, tok]), _top(logp[i, t - 1], s.params.logprobs))
-                    for t, tok in enumerate(s.prompt_ids) if t > 0]
-            self.rows.append(_Row(s, self.eos_id, self.decode))
-            self.pending.append(logp[i, lengths[i] - 1])
-        done = [r.seq for r in self.rows[lo:] if r.seq.params.max_tokens <= 0]
-        for s in done:
-            s.finish_reason = "length"
-        self._release([i for i in range(lo, len(self.rows)) if self.rows[i].seq.finish_reason is not None])
+            self.queue.append(Prefill(s, slot))
+        return self.run_prefill()
+
+    def run_prefill(self) -> list[Sequence]:
+        """Prefill forwards until the token budget of this iteration is spent or nothing is left
+        that may go now; the prompts completed join the running rows."""
+        budget = max(self.max_batched_tokens - len(self.rows), 1)
+        done: list[Sequence] = []
+        while budget > 0 and self.queue:
+            chosen = self._choose(budget)
+            if not chosen:
+                break
+            budget -= max(c for _, c in chosen) * len(chosen)
+            complete = self._forward(chosen)
+            self._note_kv()
+            for item in complete:
+                done += self._complete(item)
         return done
+
+    def _choose(self, budget: int) -> list[tuple[Prefill, int]]:
+        """The queued prompts to forward now and how many tokens of each (FIFO; padded to the widest,
+        within the budget). With a prefix cache, a prompt waits for one being prefilled that shares
+        with it a block or more beyond its cached prefix, or half of what it would compute: it
+        reuses that part after the other's forward (in this iteration while the budget lasts)."""
+        chosen: list[tuple[Prefill, int]] = []
+        width = 0
+        started = [p for p in self.queue if p.started]
+        for item in self.queue:
+            if not item.started:
+                cached = item.lookup(self.prefix)
+                if self.prefix is not None and any(self._worth_waiting(item, p.shares(item) - cached, cached)
+                                                   for p in started):
+                    continue
+            c = min(item.remaining - (0 if item.started else item.reuse), budget)
+            if (len(chosen) + 1) * max(width, c) > budget:
+                if not chosen or (len(chosen) + 1) * width > budget:
+                    break
+                c = width  # a chunk of it, as wide as the others
+            if not item.started:
+                item.start(self.cache, self.prefix, self.top_k, self.prefill)
+                started.append(item)
+            chosen.append((item, c))
+            width = max(width, c)
+        return chosen
+
+    def _worth_waiting(self, item: Prefill, gain: int, cached: int) -> bool:
+        return gain > 1 and (gain >= self.prefix.block or 2 * gain >= len(item.seq.prompt_ids) - cached)
+
+    def _forward(self, chosen: list[tuple[Prefill, int]]) -> list[Prefill]:
+        """One forward of the chosen chunks; log-softmax only where a log-probability is needed.
+        Returns the prompts now complete."""
+        width = max(c for _, c in chosen)
+        tokens = torch.zeros(len(chosen), width, dtype=torch.long)
+        for i, (item, c) in enumerate(chosen):
+            tokens[i, :c] = torch.tensor(item.seq.prompt_ids[item.done:item.done + c])
+        view = self.cache.at([item.slot for item, _ in chosen])
+        hidden = _hidden(self.model, tokens.to(self.device), view)
+        view.advance(torch.tensor([c for _, c in chosen], device=self.device))
+        rows, cols, owners = [], [], []
+        for i, (item, c) in enumerate(chosen):
+            for j in item.needed(c):
+                rows.append(i)
+                cols.append(j)
+                owners.append((item, item.done + j))
+        if rows:
+            logits = _head(self.model, hidden[torch.tensor(rows, device=hidden.device),
+                                              torch.tensor(cols, device=hidden.device)])
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            Prefill.record(owners, logp, self.top_k)
+        complete = []
+        for item, c in chosen:
+            item.done += c
+            self.prefill.computed_tokens += c
+            if item.done == len(item.seq.prompt_ids):
+                complete.append(item)
+        return complete
+
+    def _complete(self, item: Prefill) -> list[Sequence]:
+        """A prompt fully computed: into the prefix cache, then its slot joins the running rows."""
+        self.queue.remove(item)
+        if self.prefix is not None:
+            splits = tuple(item.shares(p) for p in self.queue if not p.started)
+            item.store(self.prefix, self.cache, splits)
+        item.finish_prompt(TokenInfo)
+        target = len(self.rows)
+        other = next((p for p in self.queue if p.slot == target), None)
+        if other is not None:
+            self.cache.swap(item.slot, target)
+            other.slot = item.slot
+        elif item.slot != target:
+            self.cache.move(item.slot, target)
+            self.cache.reset(item.slot)
+        self.rows.append(_Row(item.seq, self.eos_id, self.decode))
+        self.pending.append(item.next_logp)
+        if item.seq.params.max_tokens <= 0:
+            item.seq.finish_reason = "length"
+            self._release([len(self.rows) - 1])
+            return [item.seq]
+        return []
 
     @torch.no_grad()
     def step(self) -> list[Sequence]:
@@ -209,16 +340,70 @@ class Engine:
             logp = torch.log_softmax(self.model(next_ids, view)[:, -1].float(), dim=-1).cpu()
             view.advance(1)
             self.pending = list(logp)
+            self._note_kv()
         return done
 
+    def _note_kv(self) -> None:
+        held = sum(len(r.seq.prompt_ids) + len(r.seq.tokens) for r in self.rows) + sum(p.done for p in self.queue)
+        self.kv_peak_tokens = max(self.kv_peak_tokens, held)
+
+    def abort(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Let `seqs` go wherever they are (queued for prefill or running); returns those that were
+        here, their finish_reason "abort" unless they had one."""
+        ids = {id(s) for s in seqs}
+        gone = [p.seq for p in self.queue if id(p.seq) in ids]
+        for p in self.queue:
+            if id(p.seq) in ids:
+                self.cache.reset(p.slot)
+        self.queue = [p for p in self.queue if id(p.seq) not in ids]
+        rows = [i for i, r in enumerate(self.rows) if id(r.seq) in ids]
+        gone += [self.rows[i].seq for i in rows]
+        self._release(rows)
+        for s in gone:
+            s.finish_reason = s.finish_reason or "abort"
+        return gone
+
+    def drop_queue(self) -> list[Sequence]:
+        """Drop the prompts queued for prefill (after a failed forward); returns their sequences."""
+        gone = [p.seq for p in self.queue]
+        for p in self.queue:
+            self.cache.reset(p.slot)
+        self.queue.clear()
+        return gone
+
+    def clear(self) -> None:
+        """Drop every sequence (after a failed forward); the prefix cache keeps what it holds."""
+        self.rows.clear()
+        self.pending.clear()
+        self.queue.clear()
+        self.cache.lengths.zero_()
+
     def _release(self, rows: list[int]) -> None:
-        """Free the slots of `rows`: the last running row moves into each freed slot."""
+        """Free the slots of `rows`: the last running row moves into each freed slot, and a prompt
+        being prefilled in the slot past the new last row moves down (the slots past the rows
+        are the prefill queue's, anywhere)."""
         for i in sorted(rows, reverse=True):
             last = len(self.rows) - 1
             self.cache.move(last, i)
             self.rows[i], self.pending[i] = self.rows[last], self.pending[last]
             self.rows.pop()
             self.pending.pop()
+            self.cache.reset(last)
+
+
+def _hidden(model, tokens: torch.Tensor, cache) -> torch.Tensor:
+    """The final normed hidden states (batch, seq, dim) of a forward, without the output head."""
+    if not hasattr(model, "head"):
+        return model(tokens, cache)
+    model.hidden_out = True
+    try:
+        return model(tokens, cache)
+    finally:
+        model.hidden_out = False
+
+
+def _head(model, hidden: torch.Tensor) -> torch.Tensor:
+    return model.head(hidden) if hasattr(model, "head") else hidden
 
 
 def run_batch(model, seqs: list[Sequence], eos_id: int, decode: Callable[[list[int]], str]) -> list[Sequence]:

@@ -10,6 +10,9 @@ Within a view, rows are right-padded: a forward of (batch, seq) new tokens write
 row's current length, and `advance` then moves each row on by its number of real tokens, so
 padding is simply overwritten later. A query attends to every cached key at a position not after
 its own, which is the causal rule for real tokens; padded queries compute garbage nobody reads.
+
+`at(slots)` is the same view over any slots (a prefill of sequences that sit apart): it reads and
+writes them by index, a copy per forward, where `rows` hands out views.
 """
 
 from __future__ import annotations
@@ -23,23 +26,23 @@ class _LayerCache:
     def __init__(self, rows: Rows, name: str):
         self.rows, self.name = rows, name
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store new keys/values (batch, kv_heads, seq, head_dim); return all of them and the mask."""
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new keys/values (batch, kv_heads, seq, head_dim); return all of them (the model masks
+        them from the positions, `Rows.positions`)."""
         return self.rows._update(self.name, k, v)
 
 
 class Rows:
-    """Slots lo..hi-1 of a `SlotCache`, as the model's forward sees a cache."""
+    """Slots lo..hi-1 of a `SlotCache` (or the slots `index`), as the model's forward sees a cache."""
 
-    def __init__(self, cache: SlotCache, lo: int, hi: int):
-        self.cache, self.lo, self.hi = cache, lo, hi
+    def __init__(self, cache: SlotCache, lo: int, hi: int, index: torch.Tensor | None = None):
+        self.cache, self.lo, self.hi, self.index = cache, lo, hi, index
         self._positions: torch.Tensor | None = None
-        self._mask: torch.Tensor | None = None
         self._end = 0
 
     @property
     def lengths(self) -> torch.Tensor:
-        return self.cache.lengths[self.lo:self.hi]
+        return self.cache.lengths[self.lo:self.hi] if self.index is None else self.cache.lengths[self.index]
 
     def positions(self, seq: int) -> torch.Tensor:
         """Absolute positions (batch, seq) of the tokens about to be forwarded."""
@@ -49,8 +52,6 @@ class Rows:
             raise ValueError("KV cache is full")
         pos = pos.clamp(max=capacity - 1)  # only padding can reach past the end
         self._end = int(pos.max()) + 1
-        keys = torch.arange(self._end, device=pos.device)
-        self._mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # (batch, 1, seq, end)
         self._positions = pos
         return pos
 
@@ -58,17 +59,30 @@ class Rows:
         return _LayerCache(self, name)
 
     def _update(self, name: str, k: torch.Tensor, v: torch.Tensor):
+        if self.index is not None:
+            return self._update_at(name, k, v)
         keys = self.cache.keys[name][self.lo:self.hi]  # views: the writes land in the cache
         values = self.cache.values[name][self.lo:self.hi]
         index = self._positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
         keys.scatter_(2, index, k.to(keys.dtype))
         values.scatter_(2, index, v.to(values.dtype))
         end = self._end
-        return keys[:, :, :end], values[:, :, :end], self._mask
+        return keys[:, :, :end], values[:, :, :end]
+
+    def _update_at(self, name: str, k: torch.Tensor, v: torch.Tensor):
+        rows, pos, end = self.index[:, None], self._positions, self._end
+        out = []
+        for store, new in ((self.cache.keys[name], k), (self.cache.values[name], v)):
+            store[rows, :, pos] = new.transpose(1, 2).to(store.dtype)  # (batch, seq, kv_heads, head_dim)
+            out.append(store[self.index, :, :end])
+        return out[0], out[1]
 
     def advance(self, n_tokens: torch.Tensor | int) -> None:
         """Move each row on by its number of real (non-padding) tokens just forwarded."""
-        self.cache.lengths[self.lo:self.hi] += n_tokens
+        if self.index is None:
+            self.cache.lengths[self.lo:self.hi] += n_tokens
+        else:
+            self.cache.lengths[self.index] += n_tokens
 
 
 class SlotCache:
@@ -92,6 +106,37 @@ class SlotCache:
 
     def rows(self, lo: int, hi: int) -> Rows:
         return Rows(self, lo, hi)
+
+    def at(self, slots: list[int]) -> Rows:
+        """The view over `slots` in this order (views when they are consecutive)."""
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            return Rows(self, slots[0], slots[0] + len(slots))
+        return Rows(self, 0, 0, torch.tensor(slots, device=self.lengths.device))
+
+    def read(self, slot: int, a: int, b: int) -> torch.Tensor:
+        """Positions a..b-1 of `slot`: (layers, 2, kv_heads, b - a, head_dim), a copy."""
+        return torch.stack([torch.stack((self.keys[n][slot, :, a:b], self.values[n][slot, :, a:b]))
+                            for n in self.keys])
+
+    def write(self, slot: int, a: int, kv: torch.Tensor) -> None:
+        """`kv` (layers, 2, kv_heads, n, head_dim), as `read` gives it, into positions a..a+n-1 of `slot`."""
+        n = kv.shape[3]
+        for i, name in enumerate(self.keys):
+            self.keys[name][slot, :, a:a + n] = kv[i, 0]
+            self.values[name][slot, :, a:a + n] = kv[i, 1]
+
+    def swap(self, a: int, b: int) -> None:
+        """Exchange two slots' keys, values and lengths."""
+        if a == b:
+            return
+        end = int(max(self.lengths[a], self.lengths[b]))
+        for store in (self.keys, self.values):
+            for tensor in store.values():  # (an index-list assignment takes a slow path: ~500× slower)
+                held = tensor[a, :, :end].clone()
+                tensor[a, :, :end] = tensor[b, :, :end]
+                tensor[b, :, :end] = held
+        la, lb = int(self.lengths[a]), int(self.lengths[b])
+        self.lengths[a], self.lengths[b] = lb, la
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0

@@ -27,7 +27,8 @@ def _valid_text(value):
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, service_tier...) are accepted
+    # unknown fields are kept: the endpoints sort them into harmless ones and 400s (serving/openai_fields.py)
+    model_config = ConfigDict(extra="allow")
 
 
 def _whole_number(value):
@@ -68,6 +69,7 @@ class _Sampling(_Open):
 
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's: the k most likely tokens only; -1, 0 or absent: all
     n: int = Field(1, ge=1)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     # OpenAI's penalties: a token's logit less frequency_penalty per earlier occurrence in the completion
@@ -80,7 +82,7 @@ class _Sampling(_Open):
     stop: str | list[str] | None = None
     finite = field_validator("temperature", "top_p", "frequency_penalty", "presence_penalty",
                              mode="before")(_finite)
-    integral = field_validator("n", "seed", "max_tokens", mode="before", check_fields=False)(_whole_number)
+    integral = field_validator("n", "seed", "max_tokens", "top_k", mode="before", check_fields=False)(_whole_number)
     bias_by_token = field_validator("logit_bias")(_token_bias)
 
 

@@ -2,14 +2,16 @@
 
 Endpoints follow OpenAI's API and vLLM's extensions, so existing clients work unchanged:
 `/v1/models`, `/v1/completions`, `/v1/chat/completions` (with SSE streaming), `/tokenize`,
-`/detokenize`, `/tokenizer_info`, `/health`. Errors are OpenAI-shaped:
-`{"error": {"message", "type", "param", "code"}}` with a 4xx status for the client's mistakes.
+`/detokenize`, `/tokenizer_info`, `/health` (a one-token forward), `/metrics` (Prometheus) and
+`/stats`. Errors are OpenAI-shaped: `{"error": {"message", "type", "param", "code"}}` with a 4xx
+status for the client's mistakes; a field the server cannot honour is a 400 naming it
+(`serving/openai_fields.py`). A request whose client disconnects, or that runs past
+`request_timeout`, stops generating before the worker's next decode step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import time
 import uuid
@@ -17,15 +19,19 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ultratron.errors import ConfigError
-from ultratron.inference.engine import SamplingParams, Sequence, TokenInfo
+from ultratron.inference.engine import SamplingParams, Sequence
 from ultratron.models.registry import model_args
 from ultratron.serving.batcher import Batcher, QueueFull
 from ultratron.serving.chat import ContentError, TemplateError, chat_prompt, chat_stops, chat_template_of
+from ultratron.serving.json_mode import JsonConstraint, JsonVocabulary, token_bytes
+from ultratron.serving.metrics import scrape
+from ultratron.serving.openai_fields import APIError, check_extras, error_body, output_grammar, stops, stream_usage
 from ultratron.serving.requests import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from ultratron.serving.responses import chat_logprobs, completion_logprobs, response, stream
 
 
 @dataclass
@@ -38,30 +44,14 @@ class ServerLimits:
     max_queue: int = 256  # waiting sequences before requests get 429
     continuous: bool = True  # continuous batching; False: fixed groups (for comparison)
     max_model_len: int | None = None  # longest prompt + completion (default: the model's context)
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    request_timeout: float | None = 600.0  # seconds a non-streamed request may generate; None: no limit
+    health_timeout: float = 10.0  # seconds /health's one-token forward may take
+    prefix_cache_tokens: int = 0  # prompt positions the prefix cache keeps (KV + logprobs); 0: off
+    max_batched_tokens: int | None = None  # prompt tokens computed per engine iteration (None: no bound)
 
 
 def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(error_body(err.message, err.type, err.param, err.code), status_code=err.status)
-
-
-def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    stops = (stop,) if isinstance(stop, str) else tuple(stop)
-    if len(stops) > 4:
-        raise APIError(400, "at most 4 stop sequences are allowed", param="stop")
-    return tuple(s for s in stops if s)
 
 
 class Server:
@@ -75,8 +65,12 @@ class Server:
         self.context = min(args.max_seq_len, self.limits.max_model_len or args.max_seq_len)
         self.vocab_size = args.vocab_size
         self.created = int(time.time())
+        self._probe: asyncio.Future | None = None
+        self._json_vocab = None  # built at the first JSON-mode request
         self.batcher = Batcher(model, tokenizer.eos_id, tokenizer.decode, self.limits.max_batch_rows,
-                               self.limits.max_queue, self.context, self.limits.continuous)
+                               self.limits.max_queue, self.context, self.limits.continuous,
+                               prefix_cache_tokens=self.limits.prefix_cache_tokens,
+                               cache_top_k=self.limits.max_logprobs, max_batched_tokens=self.limits.max_batched_tokens)
 
     # ---- helpers ---------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -124,7 +118,24 @@ class Server:
             raise APIError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                            param="logit_bias")
         return {"logit_bias": bias or None, "frequency_penalty": req.frequency_penalty,
-                "presence_penalty": req.presence_penalty}
+                "presence_penalty": req.presence_penalty, "top_k": req.top_k or 0}
+
+    def json_constraint(self, req):
+        """A maker of each sequence's constraint: the grammar response_format asks for, or none."""
+        grammar = output_grammar(req)
+        if grammar is None:
+            return lambda: None
+        if req.ignore_eos:
+            raise APIError(400, "response_format json_object/json_schema ends the completion when the JSON is "
+                                "closed; it cannot be combined with ignore_eos", param="ignore_eos")
+        if self._json_vocab is None:
+            pieces = token_bytes(self.tokenizer, self.vocab_size)
+            if pieces is None:
+                raise APIError(400, "response_format json_object/json_schema needs a byte-level BPE tokenizer, "
+                                    "which this "
+                                    "model's is not", param="response_format", code="unsupported_field")
+            self._json_vocab = JsonVocabulary(pieces, self.tokenizer.eos_id)
+        return lambda: JsonConstraint(self._json_vocab, grammar)
 
     def check_length(self, n_prompt: int, max_tokens: int, what: str = "prompt") -> None:
         if n_prompt + max_tokens > self.context:
@@ -140,12 +151,36 @@ class Server:
             return [start for start, _ in self.tokenizer.hf.encode(text, add_special_tokens=False).offsets]
         return [len(self.tokenizer.decode(ids[:i])) for i in range(len(ids))]
 
-    def submit(self, seqs: list[Sequence], done) -> None:
+    def submit(self, seqs: list[Sequence], done):
         try:
-            self.batcher.submit(seqs, done)
+            return self.batcher.submit(seqs, done)
         except QueueFull as err:
             raise APIError(429, f"The server is at capacity ({err}); retry later.", type_="rate_limit_error",
                            code="queue_full") from None
+
+    async def health_problem(self) -> str | None:
+        """None when a one-token forward of the model works within `health_timeout`; else why not."""
+        if not self.batcher.alive:
+            return "the generation worker thread has stopped"
+        if self._probe is not None and not self._probe.done():
+            return "the previous health check's forward has not finished"
+        self._probe = asyncio.get_running_loop().run_in_executor(None, self._forward_one)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._probe), self.limits.health_timeout)
+        except TimeoutError:
+            return f"a one-token forward did not finish within {self.limits.health_timeout:g} s"
+        except Exception as err:  # the reason is the answer
+            return f"a one-token forward failed: {type(err).__name__}: {err}"
+        return None
+
+    def _forward_one(self) -> None:
+        import torch
+
+        device = next(self.model.parameters()).device
+        with torch.no_grad():
+            logits = self.model(torch.tensor([[self.tokenizer.eos_id]], device=device))
+        if not bool(torch.isfinite(logits).all()):
+            raise ArithmeticError("the logits are not finite")
 
     def chat_prompt(self, messages: list[dict]) -> str:
         try:
@@ -153,39 +188,43 @@ class Server:
         except (TemplateError, ContentError) as err:
             raise APIError(400, str(err), param="messages") from None
 
-    async def run(self, seqs: list[Sequence]) -> None:
+    async def run(self, seqs: list[Sequence], request: Request | None = None) -> None:
+        """Generate `seqs`; stopped (its slots freed) when the client disconnects or the request
+        runs past `request_timeout`."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
 
         def done(error):
             loop.call_soon_threadsafe(lambda: future.done() or future.set_result(error))
 
-        self.submit(seqs, done)
-        error = await future
+        job = self.submit(seqs, done)
+        watch = asyncio.ensure_future(_disconnect(request)) if request is not None else None
+        try:
+            await asyncio.wait([future, *([watch] if watch else [])], timeout=self.limits.request_timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if watch is not None:
+                watch.cancel()
+            if not future.done():  # the client left, the time is up, or this handler was cancelled
+                self.batcher.cancel(job)
+        if not future.done():
+            if watch is not None and watch.done() and not watch.cancelled():
+                raise APIError(499, "the client closed the connection; generation was stopped",
+                               code="client_closed_request")
+            raise APIError(504, f"the request did not finish within {self.limits.request_timeout:g} s (the "
+                                "server's --request-timeout); its generation was stopped", type_="timeout_error",
+                           code="request_timeout")
+        error = future.result()
         if error is not None:
             raise APIError(500, f"generation failed: {type(error).__name__}: {error}", type_="server_error")
 
 
-def _completion_logprobs(server: Server, infos: list[TokenInfo], offsets: list[int]) -> dict:
-    return {
-        "tokens": [server.token_text(t.id) for t in infos],
-        "token_logprobs": [t.logprob for t in infos],
-        "top_logprobs": [None if t.top is None else {server.token_text(i): lp for i, lp in t.top} for t in infos],
-        "text_offset": offsets,
-    }
-
-
-def _chat_logprobs(server: Server, infos: list[TokenInfo]) -> dict:
-    def entry(token_id: int, logprob: float) -> dict:
-        text = server.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in (t.top or [])]}
-                        for t in infos]}
-
-
-def _sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has closed its connection. The body is read already, so the next ASGI
+    message is the disconnect; `request.is_disconnected()` cannot see it through the middleware's
+    wrapped receive (its immediate cancellation always wins), so this waits on the receive itself."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_app(server: Server) -> FastAPI:
@@ -224,11 +263,21 @@ def create_app(server: Server) -> FastAPI:
         if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
             return JSONResponse(error_body(f"request body is {length} bytes; the limit is {limits.max_body_bytes}",
                                            "invalid_request_error", code="request_too_large"), status_code=413)
-        return await call_next(request)
+        answer = await call_next(request)
+        path = request.url.path
+        server.batcher.metrics.request(path if path in routes else "other", answer.status_code)
+        return answer
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        problem = await server.health_problem()
+        if problem is None:
+            return PlainTextResponse("ok")
+        return PlainTextResponse(f"unhealthy: {problem}", status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(scrape(server.batcher), media_type="text/plain; version=0.0.4")
 
     @app.get("/stats")
     async def stats():
@@ -240,14 +289,16 @@ def create_app(server: Server) -> FastAPI:
                                             "owned_by": "ultratron", "max_model_len": server.context}]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         server.check_model(req.model)
+        check_extras(req.model_extra or {}, chat=False)
+        usage_chunk = stream_usage(req)
         if req.n > limits.max_n:
             raise APIError(400, f"n must be at most {limits.max_n}", param="n")
         if req.logprobs is not None and req.logprobs > limits.max_logprobs:
             raise APIError(400, f"logprobs must be at most {limits.max_logprobs}", param="logprobs")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        steering = server.steering(req)
+        steering, constrain = server.steering(req), server.json_constraint(req)
         prompts = server.prompts_as_ids(req.prompt)
         for ids, _ in prompts:
             server.check_length(len(ids), max_tokens)
@@ -257,16 +308,17 @@ def create_app(server: Server) -> FastAPI:
         for p, (ids, _) in enumerate(prompts):
             for k in range(req.n):
                 params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                        seed=None if req.seed is None else req.seed + k, stop=_stops(req.stop),
+                                        seed=None if req.seed is None else req.seed + k, stop=stops(req.stop),
                                         logprobs=req.logprobs, echo=req.echo, ignore_eos=req.ignore_eos,
-                                        **steering)
+                                        constrain=constrain(), **steering)
                 seqs.append(Sequence(ids, params))
                 where.append(p)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return StreamingResponse(_stream(server, seqs, rid, created, req.model, "text_completion"),
+            return StreamingResponse(stream(server, seqs, rid, created, req.model, "text_completion",
+                                            sum(len(ids) for ids, _ in prompts) if usage_chunk else None),
                                      media_type="text/event-stream")
-        await server.run(seqs)
+        await server.run(seqs, request)
         choices = []
         for index, (seq, p) in enumerate(zip(seqs, where, strict=True)):
             ids, text = prompts[p]
@@ -279,20 +331,22 @@ def create_app(server: Server) -> FastAPI:
                 offsets = (server.offsets(text, ids, isinstance(req.prompt, str) or
                                           (isinstance(req.prompt, list) and isinstance(req.prompt[0], str)))
                            if req.echo else []) + gen_offsets
-                logprobs = _completion_logprobs(server, infos, offsets)
+                logprobs = completion_logprobs(server.token_text, infos, offsets)
             choices.append({"index": index, "text": prefix + seq.text, "logprobs": logprobs,
                             "finish_reason": seq.finish_reason})
-        return _response(rid, "text_completion", created, req.model, choices, prompts, seqs, req.n)
+        return response(rid, "text_completion", created, req.model, choices, prompts, seqs)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, request: Request):
         server.check_model(req.model)
+        check_extras(req.model_extra or {}, chat=True)
+        usage_chunk = stream_usage(req)
         if req.n > limits.max_n:
             raise APIError(400, f"n must be at most {limits.max_n}", param="n")
         top = req.top_logprobs or 0
         if top > limits.max_logprobs:
             raise APIError(400, f"top_logprobs must be at most {limits.max_logprobs}", param="top_logprobs")
-        steering = server.steering(req)
+        steering, constrain = server.steering(req), server.json_constraint(req)
         ids = server.tokenizer.encode(server.chat_prompt([m.model_dump() for m in req.messages]))
         requested = req.max_completion_tokens or req.max_tokens
         if len(ids) >= server.context:
@@ -301,19 +355,19 @@ def create_app(server: Server) -> FastAPI:
         server.check_length(len(ids), max_tokens, "messages")
         seqs = [Sequence(ids, SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                              seed=None if req.seed is None else req.seed + k,
-                                             stop=_stops(req.stop) + chat_stops(server.tokenizer),
+                                             stop=stops(req.stop) + chat_stops(server.tokenizer),
                                              logprobs=top if req.logprobs else None, ignore_eos=req.ignore_eos,
-                                             **steering))
+                                             constrain=constrain(), **steering))
                 for k in range(req.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return StreamingResponse(_stream(server, seqs, rid, created, req.model, "chat.completion.chunk"),
-                                     media_type="text/event-stream")
-        await server.run(seqs)
+            return StreamingResponse(stream(server, seqs, rid, created, req.model, "chat.completion.chunk",
+                                            len(ids) if usage_chunk else None), media_type="text/event-stream")
+        await server.run(seqs, request)
         choices = [{"index": i, "message": {"role": "assistant", "content": s.text},
-                    "logprobs": _chat_logprobs(server, s.tokens) if req.logprobs else None,
+                    "logprobs": chat_logprobs(server.token_text, s.tokens) if req.logprobs else None,
                     "finish_reason": s.finish_reason} for i, s in enumerate(seqs)]
-        return _response(rid, "chat.completion", created, req.model, choices, [(ids, "")], seqs, req.n)
+        return response(rid, "chat.completion", created, req.model, choices, [(ids, "")], seqs)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -342,54 +396,8 @@ def create_app(server: Server) -> FastAPI:
                 "tokenizer_class": "PreTrainedTokenizerFast",
                 "chat_template": chat_template_of(tok)}
 
+    routes = {route.path for route in app.routes}
     return app
-
-
-def _response(rid, obj, created, model, choices, prompts, seqs, n) -> dict:
-    prompt_tokens = sum(len(ids) for ids, _ in prompts)
-    completion_tokens = sum(len(s.tokens) for s in seqs)
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
-
-
-def _stream(server: Server, seqs: list[Sequence], rid: str, created: int, model: str, obj: str):
-    """Submit now (so a full queue is still a 429 response), then stream the events."""
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-    for s in seqs:
-        s.on_text = lambda seq, piece: loop.call_soon_threadsafe(events.put_nowait, ("text", seq, piece))
-    server.submit(seqs, lambda error: loop.call_soon_threadsafe(events.put_nowait, ("done", error, None)))
-    return _events(seqs, events, rid, created, model, obj)
-
-
-async def _events(seqs, events: asyncio.Queue, rid: str, created: int, model: str, obj: str):
-    chat = obj == "chat.completion.chunk"
-    index = {id(s): i for i, s in enumerate(seqs)}
-
-    def chunk(i: int, piece: str | None, finish: str | None, first: bool = False) -> dict:
-        if chat:
-            delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
-            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": i, "text": piece or "", "logprobs": None, "finish_reason": finish}
-        return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-
-    if chat:
-        for i in range(len(seqs)):
-            yield _sse(chunk(i, None, None, first=True))
-    while True:
-        kind, a, b = await events.get()
-        if kind == "text":
-            yield _sse(chunk(index[id(a)], b, None))
-            continue
-        if a is not None:
-            yield _sse(error_body(f"generation failed: {a}", "server_error"))
-        else:
-            for i, s in enumerate(seqs):
-                yield _sse(chunk(i, None, s.finish_reason))
-        yield _sse("[DONE]")
-        return
 
 
 def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:

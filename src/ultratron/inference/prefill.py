@@ -1,0 +1,125 @@
+"""One prompt's prefill as the engine schedules it: what the prefix cache gives it, which positions
+still need computing (in chunks), which of them need a log-softmax, and the prompt's
+log-probabilities as they are filled in (from the cache, then from the forwards)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ultratron.inference.prefix_cache import PrefixCache, common_prefix
+
+
+@dataclass
+class PrefillStats:
+    """Counters since the start (monitoring): prompts admitted and their tokens; of those tokens,
+    how many the model computed and how many were copied from the prefix cache. (A prompt whose
+    whole length is cached still computes its last position, for the next token's distribution.)"""
+
+    prompts: int = 0
+    prompts_hit: int = 0  # prompts that reused a cached prefix
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Prefill:
+    def __init__(self, seq, slot: int):
+        self.seq, self.slot = seq, slot
+        self.done = 0  # prompt positions in the slot (copied from the cache or computed)
+        self.started = False
+        self.chain: list = []  # the cached blocks found by the last lookup
+        self.reuse = 0  # positions to copy from them
+        # echo: per prompt position, its token's log-probability (nan for the first) and the top
+        # alternatives of the distribution it came from
+        self.infos: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.next_logp: torch.Tensor | None = None  # the distribution of the first generated token
+
+    @property
+    def remaining(self) -> int:
+        return len(self.seq.prompt_ids) - self.done
+
+    def lookup(self, prefix: PrefixCache | None) -> int:
+        """The length of the prompt's cached prefix. All but its last position will be copied: that
+        one is computed again, since the distribution it gives is needed and not kept."""
+        self.chain = [] if prefix is None else prefix.match(self.seq.prompt_ids, logprobs=self.seq.params.echo)
+        cached = sum(len(b.tokens) for b in self.chain)
+        self.reuse = min(cached, len(self.seq.prompt_ids)) - 1 if cached else 0
+        return cached
+
+    def shares(self, other: Prefill) -> int:
+        return common_prefix(self.seq.prompt_ids, other.seq.prompt_ids)
+
+    def start(self, cache, prefix: PrefixCache | None, top_k: int, stats: PrefillStats) -> None:
+        """Copy the cached prefix found by `lookup` into the slot; from here on the prompt is computed."""
+        n = len(self.seq.prompt_ids)
+        self.started = True
+        if self.seq.params.echo:
+            self.infos = (torch.full((n,), math.nan), torch.zeros(n, top_k, dtype=torch.int32),
+                          torch.zeros(n, top_k))
+        if self.reuse:
+            cache.write(self.slot, 0, torch.cat([b.kv for b in self.chain], dim=3)[:, :, :, :self.reuse])
+            cache.lengths[self.slot] = self.reuse
+            if self.infos is not None:
+                at = 0
+                for b in self.chain:
+                    m = min(len(b.tokens), n - at)
+                    for mine, theirs in zip(self.infos, (b.logprob, b.top_ids, b.top_values), strict=True):
+                        mine[at:at + m] = theirs[:m]
+                    at += m
+        self.done = self.reuse
+        self.chain = []
+        stats.prompts += 1
+        stats.prompts_hit += bool(self.reuse)
+        stats.prompt_tokens += n
+        stats.cached_tokens += self.reuse
+
+    def needed(self, c: int) -> range:
+        """Which of the next `c` positions need their distribution: with echo all (each gives the next
+        prompt token's log-probability); else only the prompt's last (the first generated token)."""
+        if self.seq.params.echo:
+            return range(c)
+        return range(c - 1, c) if self.done + c == len(self.seq.prompt_ids) else range(0)
+
+    @staticmethod
+    def record(owners: list[tuple[Prefill, int]], logp: torch.Tensor, top_k: int) -> None:
+        """Distribute a forward's log-probabilities: row i of `logp` is the distribution after
+        position p of owners[i] = (prefill, p)."""
+        top = logp.topk(top_k) if any(item.infos is not None for item, _ in owners) else None
+        targets = torch.tensor([item.seq.prompt_ids[p + 1] if p + 1 < len(item.seq.prompt_ids) else 0
+                                for item, p in owners], device=logp.device)
+        token_logp = logp.gather(1, targets[:, None])[:, 0].cpu()
+        top_values, top_ids = (None, None) if top is None else (top.values.cpu(), top.indices.cpu())
+        i = 0
+        while i < len(owners):
+            item, p = owners[i]
+            j = i
+            while j + 1 < len(owners) and owners[j + 1][0] is item:
+                j += 1
+            n = len(item.seq.prompt_ids)
+            last = owners[j][1]
+            if last == n - 1:
+                item.next_logp = logp[j].cpu()
+            k = min(j + 1, i + (n - 1 - p))  # rows whose next position is a prompt token
+            if item.infos is not None and k > i:
+                lp, ids, values = item.infos
+                lp[p + 1:p + 1 + k - i] = token_logp[i:k]
+                ids[p + 1:p + 1 + k - i] = top_ids[i:k].to(torch.int32)
+                values[p + 1:p + 1 + k - i] = top_values[i:k]
+            i = j + 1
+
+    def finish_prompt(self, token_info) -> None:
+        """The prompt is computed: report its tokens' log-probabilities (echo)."""
+        if self.infos is None:
+            return
+        ids, k = self.seq.prompt_ids, self.seq.params.logprobs
+        lp, top_ids, top_values = self.infos
+        lps = lp.tolist()
+        tops = list(zip(top_ids[:, :k].tolist(), top_values[:, :k].tolist(), strict=True)) if k else None
+        self.seq.prompt_tokens = [token_info(ids[0], None, None)] + [
+            token_info(ids[t], lps[t], list(zip(*tops[t], strict=True)) if tops else None) for t in range(1, len(ids))]
+
+    def store(self, prefix: PrefixCache, cache, splits: tuple[int, ...]) -> None:
+        prefix.store(self.seq.prompt_ids, lambda a, b: cache.read(self.slot, a, b), self.infos, splits)
