@@ -61,6 +61,33 @@ def _hold_restart_until_alone(run: Path, job: subprocess.Popen) -> None:
                 os.kill(pid, signal.SIGCONT)
 
 
+def _slow_group_0_until_healed(run: Path, job: subprocess.Popen) -> None:
+    """Pause group 0 for 0.2 s in every 0.25 s until group 1 has healed. A real job has far more steps
+    left than this test's 300, which group 0 alone runs in ~15 s: on a loaded machine that was less
+    than group 1's restart took, so group 0 had finished, and group 1 found no one to heal from
+    (CI saw it). The pauses are far below the collective timeout and torchft's heartbeats, so the
+    quorum and the heal itself go on as in a slower job."""
+    group_0 = _worker(0)
+    log = run / "replica-1" / "train.log"
+    deadline = time.monotonic() + 180
+    try:
+        while job.poll() is None and time.monotonic() < deadline:
+            if log.exists() and "replicas: healed from a live replica group" in log.read_text():
+                return
+            for pid in group_0:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.2)
+            for pid in group_0:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            time.sleep(0.05)
+    finally:
+        for pid in group_0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
 def _steps(run: Path) -> list[dict]:
     return [r for r in read_metrics(run) if "loss" in r]
 
@@ -85,6 +112,7 @@ def test_kill_9_of_a_replica_group_the_other_goes_on_and_it_heals_and_rejoins(di
             os.kill(victims[0], 9)
             killed_at = time.time()
             _hold_restart_until_alone(run, job)
+            _slow_group_0_until_healed(run, job)
             job.wait(timeout=400)
         finally:
             job.kill()
