@@ -27,13 +27,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("give one of --checkpoint (a local model) or --endpoint (an OpenAI-compatible API)")
     if problems := choice_problems(s):
         raise ConfigError(problems)
-    import torch
-
     from ultratron.evaluation.backends import EndpointBackend, LocalBackend
     from ultratron.evaluation.builtin import resolve_tasks, suite_fraction
     from ultratron.evaluation.runner import evaluate, flat_metrics, format_table, write_json
 
-    if s.threads > 0:
+    if s.threads > 0 and s.checkpoint:  # (an endpoint's evaluation computes nothing here: no torch)
+        import torch
+
         torch.set_num_threads(s.threads)
     backend = LocalBackend.from_checkpoint(s.checkpoint, s.device, s.checkpoint_endpoint) if s.checkpoint \
         else EndpointBackend.from_config(s)

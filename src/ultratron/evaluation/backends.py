@@ -1,5 +1,6 @@
 """Where log-likelihoods and generations come from: a local checkpoint, or any OpenAI-compatible
-endpoint (vLLM, ultratron serve, a hosted reference model) through the `openai` client.
+endpoint (vLLM, ultratron serve, a hosted reference model) through `api_client` (the OpenAI API's
+calls, retried as the OpenAI clients retry them).
 
 Both backends split a (context, continuation) pair the same way: the whole string is tokenized
 and the continuation's tokens are those that hold any of its characters (by character offsets),
@@ -15,12 +16,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
-
-from ultratron.checkpoint.inference import load_for_inference
 from ultratron.errors import EndpointError
-from ultratron.inference.engine import SamplingParams, Sequence, run_batch
-from ultratron.models.registry import model_args
+
+# torch, the checkpoint loader and the engine are imported where the local backend uses them: an
+# evaluation against an endpoint needs none of them (they are most of the command's start-up time)
 
 
 def token_windows(ids: list[int], size: int) -> list[list[int]]:
@@ -48,12 +47,16 @@ class LocalBackend:
     """A model in this process: batched scoring, KV-cached batched generation."""
 
     def __init__(self, model, tokenizer, batch_tokens: int = 8192):
+        from ultratron.models.registry import model_args
+
         self.model, self.tokenizer, self.batch_tokens = model, tokenizer, batch_tokens
         self.context = model_args(model).max_seq_len
         self.device = next(model.parameters()).device
 
     @classmethod
     def from_checkpoint(cls, checkpoint, device: str = "cpu", endpoint: str | None = None) -> LocalBackend:
+        from ultratron.checkpoint.inference import load_for_inference
+
         loaded = load_for_inference(checkpoint, device, endpoint)
         backend = cls(loaded.model, loaded.tokenizer)
         backend.step, backend.config = loaded.step, loaded.config
@@ -62,10 +65,11 @@ class LocalBackend:
     def describe(self) -> str:
         return "local checkpoint"
 
-    @torch.no_grad()
-    def _score(self, rows: list[list[int]]) -> list[torch.Tensor]:
+    def _score(self, rows: list[list[int]]) -> list:
         """Per row: log-probabilities (len-1, vocab) of each next token, batched by length."""
-        out: list[torch.Tensor | None] = [None] * len(rows)
+        import torch
+
+        out: list = [None] * len(rows)
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
         start = 0
         while start < len(order):
@@ -75,7 +79,8 @@ class LocalBackend:
             batch = torch.zeros(len(chunk), width, dtype=torch.long)
             for j, i in enumerate(chunk):
                 batch[j, : len(rows[i])] = torch.tensor(rows[i])
-            logp = torch.log_softmax(self.model(batch.to(self.device)).float(), dim=-1).cpu()
+            with torch.no_grad():
+                logp = torch.log_softmax(self.model(batch.to(self.device)).float(), dim=-1).cpu()
             for j, i in enumerate(chunk):
                 out[i] = logp[j, : len(rows[i]) - 1]
             start += count
@@ -113,12 +118,16 @@ class LocalBackend:
             for window in token_windows(ids, self.context - 1):
                 rows.append(window)
                 owners.append(t)
+        import torch
+
         sums = [0.0] * len(texts)
         for ids, logp, t in zip(rows, self._score(rows), owners, strict=True):
             sums[t] += float(logp.gather(1, torch.tensor(ids[1:])[:, None]).sum())
         return [(s, n, b) for s, (n, b) in zip(sums, meta, strict=True)]
 
     def generate(self, requests: list[tuple[str, tuple[str, ...], int]]) -> list[str]:
+        from ultratron.inference.engine import SamplingParams, Sequence, run_batch
+
         seqs = []
         for prompt, stop, max_tokens in requests:
             ids = self.tokenizer.encode(prompt)[-(self.context - max_tokens):]
@@ -144,9 +153,9 @@ class UsageCounter:
     def add(self, usage) -> None:
         with self._lock:
             self.requests += 1
-            if usage is not None:
-                self.prompt_tokens += usage.prompt_tokens or 0
-                self.completion_tokens += usage.completion_tokens or 0
+            if usage:
+                self.prompt_tokens += usage.get("prompt_tokens") or 0
+                self.completion_tokens += usage.get("completion_tokens") or 0
 
     @property
     def cost(self) -> float:
@@ -166,14 +175,13 @@ class EndpointBackend:
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, *,
                  concurrency: int = 4, timeout: float = 60.0, max_retries: int = 3, prompts_per_request: int = 8,
                  generation_api: str = "chat", usage: UsageCounter | None = None):
-        import openai
+        from ultratron.evaluation.api_client import Client
 
         base = base_url.rstrip("/")
-        self.client = openai.OpenAI(base_url=base if base.endswith("/v1") else base + "/v1",
-                                    api_key=api_key or "EMPTY", timeout=timeout, max_retries=max_retries)
+        self.client = Client(base if base.endswith("/v1") else base + "/v1", api_key or "EMPTY", timeout, max_retries)
         self.max_retries = max_retries
         self.base_url = base
-        self.model = model or self._failing_clearly(lambda: self.client.models.list().data[0].id)
+        self.model = model or self._failing_clearly(lambda: self.client.get("models")["data"][0]["id"])
         self.concurrency, self.prompts_per_request = concurrency, prompts_per_request
         self.generation_api = generation_api
         self.usage = usage or UsageCounter()
@@ -194,22 +202,26 @@ class EndpointBackend:
 
     def _failing_clearly(self, request):
         """Run a request; when the client has given up (after its retries), one line that says why."""
-        import openai
+        from ultratron.evaluation.api_client import APIError
 
         try:
             return request()
-        except openai.APIError as err:
-            raise EndpointError(f"endpoint {self.base_url}: {type(err).__name__}: {str(err).splitlines()[0]} "
+        except APIError as err:
+            raise EndpointError(f"endpoint {self.base_url}: {err.kind}: {str(err).splitlines()[0]} "
                                 f"(after up to {self.max_retries} retries)") from None
+        except (KeyError, IndexError, TypeError) as err:
+            raise EndpointError(f"endpoint {self.base_url}: an answer without the OpenAI API's fields "
+                                f"({type(err).__name__}: {err})") from None
 
-    def _call(self, create, **kwargs):
+    def _call(self, path: str, **body) -> dict:
+        """POST `body` (with the model) to completions or chat/completions, counting its usage."""
         try:
-            response = self._failing_clearly(lambda: create(model=self.model, **kwargs))
+            response = self._failing_clearly(lambda: self.client.post(path, {"model": self.model, **body}))
         except EndpointError:
             with self.usage._lock:
                 self.usage.failed_requests += 1
             raise
-        self.usage.add(getattr(response, "usage", None))
+        self.usage.add(response.get("usage"))
         return response
 
     def _echo(self, texts: list[str]) -> list:
@@ -217,26 +229,26 @@ class EndpointBackend:
         groups = [texts[i: i + self.prompts_per_request] for i in range(0, len(texts), self.prompts_per_request)]
 
         def score(group):
-            response = self._call(self.client.completions.create, prompt=group, max_tokens=1, temperature=0,
-                                  echo=True, logprobs=1)
-            return sorted(response.choices, key=lambda c: c.index)
+            response = self._call("completions", prompt=group, max_tokens=1, temperature=0, echo=True, logprobs=1)
+            return sorted(response["choices"], key=lambda c: c["index"])
 
-        return [choice.logprobs for chunk in self._map(score, groups) for choice in chunk]
+        return [choice["logprobs"] for chunk in self._map(score, groups) for choice in chunk]
 
     def loglikelihood(self, pairs: list[tuple[str, str]]) -> list[tuple[float, bool]]:
         probe = self._tokenize("x")
         if probe is not None:  # the server can count tokens: fit every pair into its context
             count = lambda text: len(self._tokenize(text)[0])
-            pairs = [(fit_context(c, x, count, probe[1] - 1), x) for c, x in pairs]
+            # each pair's /tokenize calls, `concurrency` pairs at a time (one by one they were most of the time)
+            pairs = self._map(lambda pair: (fit_context(pair[0], pair[1], count, probe[1] - 1), pair[1]), pairs)
         texts = [c + x for c, x in pairs]
         results = []
         for (context, _), text, lp in zip(pairs, texts, self._echo(texts), strict=True):
-            n = sum(1 for off in lp.text_offset if off < len(text))  # the echoed prompt, not the new token
-            offsets = list(lp.text_offset[:n])
+            n = sum(1 for off in lp["text_offset"] if off < len(text))  # the echoed prompt, not the new token
+            offsets = list(lp["text_offset"][:n])
             positions = [p for p in continuation_positions(offsets, len(text), len(context)) if p > 0]
-            total = sum(lp.token_logprobs[p] for p in positions)
-            greedy = all(lp.top_logprobs[p] and max(lp.top_logprobs[p], key=lp.top_logprobs[p].get) == lp.tokens[p]
-                         for p in positions)
+            total = sum(lp["token_logprobs"][p] for p in positions)
+            top, tokens = lp["top_logprobs"], lp["tokens"]
+            greedy = all(top[p] and max(top[p], key=top[p].get) == tokens[p] for p in positions)
             results.append((float(total), greedy))
         return results
 
@@ -263,9 +275,9 @@ class EndpointBackend:
                                                                                             strict=True)]
         out = []
         for text, lp in zip(texts, self._echo(texts), strict=True):
-            n = sum(1 for off in lp.text_offset if off < len(text))
-            scored = [x for x in lp.token_logprobs[1:n] if x is not None]
-            first_end = lp.text_offset[1] if n > 1 else len(text)
+            n = sum(1 for off in lp["text_offset"] if off < len(text))
+            scored = [x for x in lp["token_logprobs"][1:n] if x is not None]
+            first_end = lp["text_offset"][1] if n > 1 else len(text)
             out.append((float(sum(scored)), len(scored), len(text[first_end:].encode("utf-8"))))
         return out
 
@@ -274,14 +286,13 @@ class EndpointBackend:
         groups = [windows[i: i + self.prompts_per_request] for i in range(0, len(windows), self.prompts_per_request)]
 
         def score(group):
-            response = self._call(self.client.completions.create, prompt=group, max_tokens=1, temperature=0,
-                                  echo=True, logprobs=0)
-            return [c.logprobs for c in sorted(response.choices, key=lambda c: c.index)]
+            response = self._call("completions", prompt=group, max_tokens=1, temperature=0, echo=True, logprobs=0)
+            return [c["logprobs"] for c in sorted(response["choices"], key=lambda c: c["index"])]
 
         total, count, first = 0.0, 0, None
         for window, lp in zip(windows, [x for chunk in self._map(score, groups) for x in chunk], strict=True):
-            first = lp.tokens[0] if first is None else first
-            values = lp.token_logprobs[1: len(window)]
+            first = lp["tokens"][0] if first is None else first
+            values = lp["token_logprobs"][1: len(window)]
             total += float(sum(values))
             count += len(values)
         return total, count, len(text.encode("utf-8")) - len(first.encode("utf-8"))
@@ -291,12 +302,11 @@ class EndpointBackend:
             prompt, stop, max_tokens = req
             stop = list(stop)[:4] or None
             if self.generation_api == "chat":
-                r = self._call(self.client.chat.completions.create, messages=[{"role": "user", "content": prompt}],
+                r = self._call("chat/completions", messages=[{"role": "user", "content": prompt}],
                                max_tokens=max_tokens, temperature=0, stop=stop)
-                return r.choices[0].message.content or ""
-            r = self._call(self.client.completions.create, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                           stop=stop)
-            return r.choices[0].text
+                return r["choices"][0]["message"]["content"] or ""
+            r = self._call("completions", prompt=prompt, max_tokens=max_tokens, temperature=0, stop=stop)
+            return r["choices"][0]["text"]
 
         return self._map(one, requests)
 
