@@ -12,14 +12,24 @@ from ultratron.data.shards import ShardSet
 from ultratron.data.tokenizer import train_tokenizer
 from ultratron.errors import TaskError
 from ultratron.evaluation.backends import LocalBackend
-from ultratron.evaluation.builtin import HELD_OUT_FRACTION, builtin_suite, held_out_documents, resolve_tasks
+from ultratron.evaluation.builtin import (
+    HELD_OUT_FRACTION,
+    builtin_suite,
+    builtin_task,
+    held_out_documents,
+    resolve_tasks,
+)
 from ultratron.evaluation.runner import evaluate
 from ultratron.evaluation.tasks import load_task_file
 from ultratron.models.llama import Llama
 
 
-def test_builtin_suite_is_deterministic():
-    a, b = builtin_suite(), builtin_suite.__wrapped__()
+def test_builtin_suite_is_deterministic_and_a_task_made_alone_is_the_suites():
+    a = builtin_suite()
+    builtin_task.cache_clear()
+    alone = builtin_task("builtin_identifier_cloze")  # made before, and without, the tasks in front of it
+    b = builtin_suite()
+    assert [e.__dict__ for e in alone.examples] == [e.__dict__ for e in a[2].examples]
     assert [t.name for t in a] == ["builtin_bpb", "builtin_next_line", "builtin_identifier_cloze",
                                    "builtin_arithmetic"]
     assert all(len(t.examples) >= 30 for t in a)

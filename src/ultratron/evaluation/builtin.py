@@ -76,11 +76,18 @@ def _next_context(lines: list[str], i: int) -> str:
 
 def next_line_task(docs, rng: random.Random) -> Task:
     pools = [[ln for ln in text.splitlines() if _code_line(ln)] for _, text in docs]
+    line_names: dict[str, set[str]] = {}  # a pool line's names, found once (the search meets it again)
+
+    def names_of(line: str) -> set[str]:
+        if line not in line_names:
+            line_names[line] = _names(line)
+        return line_names[line]
+
     examples = []
     for d, (_, text) in enumerate(docs):
         lines = text.splitlines()
         spots = [i for i in range(NEXT_CONTEXT_LINES, len(lines)) if _code_line(lines[i])
-                 and len(_names(lines[i]) & _names(_next_context(lines, i))) >= NEXT_SHARED_NAMES]
+                 and len(names_of(lines[i]) & _names(_next_context(lines, i))) >= NEXT_SHARED_NAMES]
         for i in rng.sample(spots, min(NEXT_PER_FILE, len(spots))):
             real, context = lines[i], _next_context(lines, i)
             seen = _names(context)
@@ -89,7 +96,7 @@ def next_line_task(docs, rng: random.Random) -> Task:
             distractors: list[str] = []
             for j in others:  # one distractor per other file, so no single large file dominates
                 close = [ln for ln in pools[j] if abs(len(ln) - len(real)) <= max(2, len(real) // 8)
-                         and not _names(ln) & seen and ln.strip() != real.strip() and ln not in distractors]
+                         and not names_of(ln) & seen and ln.strip() != real.strip() and ln not in distractors]
                 if close:
                     distractors.append(rng.choice(close))
                 if len(distractors) == 3:
@@ -144,11 +151,27 @@ def arithmetic_task(rng: random.Random) -> Task:
 
 
 @functools.lru_cache(maxsize=2)
+def _held_out(fraction: float) -> list[tuple[str, str]]:
+    return held_out_documents(fraction)
+
+
+@functools.lru_cache(maxsize=8)
+def builtin_task(name: str, fraction: float = HELD_OUT_FRACTION) -> Task:
+    """One task of the suite, made alone: each has its own seeded generator, so it is the same task
+    whether or not the others are made (an evaluation of one task skips the others' cost)."""
+    if name == "builtin_bpb":
+        return Task("builtin_bpb", "text", [TextExample(text[:1500]) for _, text in _held_out(fraction)[:PER_TASK]])
+    if name == "builtin_next_line":
+        return next_line_task(_held_out(fraction), random.Random(1))
+    if name == "builtin_identifier_cloze":
+        return identifier_cloze_task(_held_out(fraction), random.Random(2))
+    if name == "builtin_arithmetic":
+        return arithmetic_task(random.Random(3))
+    raise TaskError(f"unknown built-in task {name!r}: one of {', '.join(BUILTIN_TASKS)}")
+
+
 def builtin_suite(fraction: float = HELD_OUT_FRACTION) -> tuple[Task, ...]:
-    docs = held_out_documents(fraction)
-    bpb = Task("builtin_bpb", "text", [TextExample(text[:1500]) for _, text in docs[:PER_TASK]])
-    return (bpb, next_line_task(docs, random.Random(1)), identifier_cloze_task(docs, random.Random(2)),
-            arithmetic_task(random.Random(3)))
+    return tuple(builtin_task(name, fraction) for name in BUILTIN_TASKS)
 
 
 def suite_fraction(cfg=None) -> float:
@@ -197,7 +220,7 @@ def resolve_tasks(spec: str, held_out_fraction: float = HELD_OUT_FRACTION) -> li
         if item == "builtin":
             tasks.extend(builtin_suite(held_out_fraction))
         elif item in BUILTIN_TASKS:
-            tasks.extend(t for t in builtin_suite(held_out_fraction) if t.name == item)
+            tasks.append(builtin_task(item, held_out_fraction))
         elif item.endswith((".json", ".jsonl")) or Path(item).exists():
             tasks.append(load_task_file(item))
         else:
