@@ -48,9 +48,10 @@ def publish(staging: Path, url: str, endpoint: str | None, log: Callable[[str], 
     """Upload every finished file under `staging` to `url`; returns how many went up."""
     try:
         remote = Remote(url, endpoint)
-        if stale := remote.remove_temp():
+        present = remote.files()  # one listing of the prefix, for both
+        if stale := remote.remove_temp(present):
             log(f"data: removed {len(stale)} half-uploaded object(s) an interrupted run left (e.g. {stale[0]})")
-        present = remote.files()
+            present = {name: size for name, size in present.items() if name not in stale}
     except (ImportError, ValueError, OSError) as err:
         raise DataError(f"pipeline.output {url!r}: {err}") from None
     record_path = staging / PUBLISHED

@@ -108,9 +108,10 @@ class Remote:
         except FileNotFoundError:
             pass
 
-    def remove_temp(self) -> list[str]:
-        """Remove what an interrupted upload left under the prefix; returns their relative names."""
-        stale = [name for name in self.files() if is_temp(name.rsplit("/", 1)[-1])]
+    def remove_temp(self, listing: dict[str, int] | None = None) -> list[str]:
+        """Remove what an interrupted upload left under the prefix (`listing`: its `files()`, if the
+        caller has it); returns their relative names."""
+        stale = [name for name in (self.files() if listing is None else listing) if is_temp(name.rsplit("/", 1)[-1])]
         for name in stale:
             self.remove(self.child(name))
         return stale

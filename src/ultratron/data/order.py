@@ -28,8 +28,6 @@ def permutation(seed: list[int], n: int) -> np.ndarray:
 
 
 class GlobalOrder:
-    window = 0
-
     def __init__(self, first: np.ndarray, seed: int):
         self.n, self.seed = int(first[-1]), seed
         self._orders: dict[int, np.ndarray] = {}
@@ -42,9 +40,6 @@ class GlobalOrder:
 
     def in_epoch(self, epoch: int, offsets: np.ndarray) -> np.ndarray:
         return self._order(epoch)[offsets].astype(np.int64)
-
-    def shards_ahead(self, position: int) -> None:
-        return None
 
 
 class WindowedOrder:

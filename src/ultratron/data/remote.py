@@ -266,18 +266,22 @@ PREPARED_FILES = ("tokenizer.json", "tokenizer_config.json", "train/meta.json", 
 def fetch_prepared(url: str, local: Path, endpoint: str | None = None) -> Path:
     """A prepared directory's small files (tokenizer, the splits' meta.json) copied from `url` into
     `local`, so that the tokenizer loads and the splits are checked as for a local directory."""
+    found: dict[str, bytes] = {}
     try:
         remote = Remote(url, endpoint)
-        present = remote.files()
+        for name in PREPARED_FILES:  # each file asked for by name: listing the prefix would page through every shard
+            try:
+                found[name] = remote.read_bytes(remote.child(name))
+            except FileNotFoundError:
+                continue
     except (ImportError, ValueError, OSError) as err:
         raise DataError(f"data.path {url!r}: {err}") from None
-    if "tokenizer.json" not in present or "train/meta.json" not in present:
+    if "tokenizer.json" not in found or "train/meta.json" not in found:
         raise DataError(f"data.path {url!r} is not a prepared directory on the object store (tokenizer.json and "
                         "train/meta.json, as `ultratron data run` writes)")
     from ultratron import atomic
 
-    for name in PREPARED_FILES:
-        if name in present:
-            (local / name).parent.mkdir(parents=True, exist_ok=True)
-            atomic.write_bytes(local / name, remote.read_bytes(remote.child(name)))
+    for name, data in found.items():
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_bytes(local / name, data)
     return local

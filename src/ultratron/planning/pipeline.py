@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 
+from ultratron.models.specs import spec_of
 from ultratron.planning.params import count_params_of
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb", "zbv", "dualpipev")
@@ -70,7 +71,8 @@ def stage_costs(shape, balance: str, seq: int) -> tuple[float, float, float]:
     # (a mixture of experts' dense first layers are counted as the average layer)
     if balance == "params":
         return float(counts.embedding), counts.mean_layer, float(counts.final_norm + counts.embedding)
-    layer = 6.0 * counts.active_layers / counts.n_layers + 12.0 * shape.dim * seq
+    attention = spec_of(shape).attention_flops_per_token(shape, seq) / counts.n_layers  # the mean layer's
+    layer = 6.0 * counts.active_layers / counts.n_layers + attention
     return 0.0, layer, 6.0 * shape.vocab_size * shape.dim
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from ultratron import atomic
 from ultratron.errors import UserError
 from ultratron.models.presets import ModelShape
+from ultratron.models.specs import spec_of
 from ultratron.planning.comm import BUS_FACTORS, OPS, Link, Network
 from ultratron.planning.compute import (
     KERNEL_KINDS,
@@ -44,7 +45,6 @@ from ultratron.planning.compute import (
 from ultratron.planning.hardware import Accelerator, GiB
 from ultratron.planning.layout import Layout
 from ultratron.planning.memory import estimate_memory
-from ultratron.planning.rules import head_dim_of
 
 FORMAT = "ultratron-comm-profile"
 
@@ -145,15 +145,20 @@ def fit_kernels(profile: dict) -> dict:
     rate, bandwidth = planner_rates(profile)
     layout = Layout(micro_batch_size=b, seq_len=s, precision=m["precision"])
     p = layout.compute_bytes
-    heads = shape.n_heads * head_dim_of(shape)
-    attention_flops = 12 * heads * s * (b * s) / times["attention"]
+    dense_layer = ModelShape(**{**m["shape"], "n_layers": 1, "sliding_window": 0})  # the timed kernel's
+
+    def attention_model_flops(seq: int, tokens: float) -> float:  # the family's formula (models/*/spec.py)
+        return spec_of(dense_layer).attention_flops_per_token(dense_layer, seq) * tokens
+
+    attention_flops = attention_model_flops(s, b * s) / times["attention"]
 
     def products(tokens: float, kind: str) -> float:  # the compute term's seconds for one call
         if kind == "loss":  # the head's product
             return 3 * matmul_seconds(tokens, shape.dim, shape.vocab_size, rate, bandwidth, p, 1.0)
         seq = 1 if tokens == 1 else s
         return (sum(3 * c * matmul_seconds(mm, k, n, rate, bandwidth, p, 1.0)
-                    for mm, k, n, c in layer_matmuls(shape, tokens, 1)) + 12 * heads * seq * tokens / attention_flops)
+                    for mm, k, n, c in layer_matmuls(shape, tokens, 1))
+                + attention_model_flops(seq, tokens) / attention_flops)
 
     # the planner's own bytes of each kind for the one timed layer (`planning.compute.elementwise_parts`)
     one_layer = ModelShape(**{**m["shape"], "n_layers": 1})
