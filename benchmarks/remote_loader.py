@@ -1,7 +1,7 @@
 """Tokens/s of the loader over shards on an object store with a warm cache, against the local
 memmap loader over the same shards (issue 46: at least 95 %).
 
-  python benchmarks/remote_loader.py [--shards 16] [--shard-tokens 1000000] [--batches 1000] [--rounds 5]
+  python benchmarks/remote_loader.py [--shards 16] [--shard-tokens 1000000] [--batches 3000] [--rounds 5]
 
 Writes a synthetic shard set, serves it from moto's S3 server on loopback (the tests' server), and
 reads it both ways: `TokenLoader` over the memory-mapped local set (its global order) and over
@@ -52,7 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", type=int, default=16)
     parser.add_argument("--shard-tokens", type=int, default=1_000_000)
-    parser.add_argument("--batches", type=int, default=1000)
+    parser.add_argument("--batches", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="remote-loader-"))
