@@ -2,6 +2,7 @@
 hold whole, under ZeRO-3 on 4 gloo processes. Prints figures and PASS/FAIL; not a test.
 
   python benchmarks/start_at_scale.py [--work runs/start_at_scale] [--fp32-gb 4.5 | --layers N]
+                                      [--only tiny,lora]   (skip the ~20 GB scratch run)
 
 1. Writes a synthetic Hugging Face Llama directory (config.json, model-0000i-of-0000n.safetensors
    shards with model.safetensors.index.json, a byte-level BPE tokenizer.json trained here on

@@ -5,15 +5,16 @@ the system by free; smaller ones come from the heap (arenas), whose freed memory
 process until the top of the heap is free (and then only above M_TRIM_THRESHOLD). The threshold
 starts at 128 KiB but is dynamic: freeing an mmapped chunk raises it to that chunk's size, up to
 32 MiB on 64-bit (mallopt(3), "M_MMAP_THRESHOLD"). A training step frees large tensors early, so the
-threshold soon sits at 32 MiB, and FSDP2's gathered parameters (8–16 MiB each for a 1-2 B model's
-block, its all-gather buffers, activations and gradients) then land in the heap, where what one
+threshold soon sits at 32 MiB, and FSDP2's gathered parameters (8–32 MiB each for a 1-2 B model's
+block), its all-gather buffers, activations and gradients then land in the heap, where what one
 block frees is not what the next one asks for: the heap fragments and the resident set keeps the
-high-water mark of many blocks (measured: 0.58–0.62 × the model's fp32 bytes above the tiny run
-on benchmarks/start_at_scale.py, 0.44 with a fixed 1 MiB threshold). Setting the threshold
-explicitly turns the dynamic adjustment off (mallopt(3): so does setting M_TRIM_THRESHOLD,
-M_TOP_PAD or M_MMAP_MAX), so every tensor of at least `MMAP_THRESHOLD` bytes gets its own
-mapping and gives it back when freed. The cost: a page fault per touched page of each new large
-tensor, and a munmap per free (docs/performance.md, "Host memory on a CPU", has the step times).
+high-water mark of many blocks (measured on benchmarks/start_at_scale.py's LoRA run: each rank's
+peak 0.57–0.61 × the model's fp32 bytes above the tiny run's, 0.45–0.46 with a fixed 1 MiB
+threshold). Setting the threshold explicitly turns the dynamic adjustment off (mallopt(3): so does
+setting M_TRIM_THRESHOLD, M_TOP_PAD or M_MMAP_MAX), so every tensor of at least `MMAP_THRESHOLD`
+bytes gets its own mapping and gives it back when freed. The cost: a page fault per touched page
+of each new large tensor, and a munmap per free (docs/performance.md, "Host memory on a CPU", has
+the step times: no difference shows within a shared machine's noise).
 
 A GPU run's tensors live on the device (its host allocations are small and few), so nothing is set
 there. glibc only: elsewhere (musl, macOS) `mallopt` is absent and this does nothing. A user's own
