@@ -384,6 +384,23 @@ MUTATIONS = [
              "an evicted block's bytes are not given back to the budget",
              "        self.bytes -= self.nbytes(b)", "        self.bytes -= 0",
              ("tests/evaluation/test_serve_prefix_cache.py::test_random_workload_matches_no_cache_and_stays_within_budget",)),
+    # ---- host memory of ZeRO-3 on a CPU (issue 44, the LoRA start) ----
+    Mutation("prefetch-on-under-gloo", f"{SRC}/parallel/data.py",
+             "FSDP2's backward prefetch left on under gloo: a second gathered block in backward",
+             '    return dist.get_backend() != "gloo"', '    return True',
+             ("tests/test_fsdp_prefetch.py",)),
+    Mutation("plan-two-blocks-on-cpu", f"{SRC}/planning/memory.py",
+             "plan memory counts two gathered ZeRO-3 blocks with the backward prefetch off",
+             "gathered_blocks = 2 if layout.backward_prefetch else 1", "gathered_blocks = 2",
+             ("tests/planning/test_start_memory.py",)),
+    Mutation("mallopt-wrong-param", f"{SRC}/training/allocator.py",
+             "mallopt given another parameter than M_MMAP_THRESHOLD: the threshold stays dynamic",
+             "M_MMAP_THRESHOLD = -3  #", "M_MMAP_THRESHOLD = -1  #",
+             ("tests/test_host_allocator.py",)),
+    Mutation("mallopt-on-gpu", f"{SRC}/training/allocator.py",
+             "the mmap threshold set for a GPU run too",
+             'if device.type != "cpu" or', 'if device.type == "meta" or',
+             ("tests/test_host_allocator.py",)),
 ]
 BY_ID = {m.id: m for m in MUTATIONS}
 assert len(BY_ID) == len(MUTATIONS), "mutation ids must be unique"

@@ -2,6 +2,7 @@
 hold whole, under ZeRO-3 on 4 gloo processes. Prints figures and PASS/FAIL; not a test.
 
   python benchmarks/start_at_scale.py [--work runs/start_at_scale] [--fp32-gb 4.5 | --layers N]
+                                      [--only tiny,lora]   (skip the ~20 GB scratch run)
 
 1. Writes a synthetic Hugging Face Llama directory (config.json, model-0000i-of-0000n.safetensors
    shards with model.safetensors.index.json, a byte-level BPE tokenizer.json trained here on
@@ -48,6 +49,7 @@ import tomllib
 from pathlib import Path
 
 RATIO_LIMIT = 0.4
+RUNS = ("tiny", "lora", "scratch")
 NPROC = 4
 SEED = 0
 STD = 0.02
@@ -242,12 +244,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=4096, help="the tokenizer's and model's vocabulary")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (one sequence per rank)")
+    parser.add_argument("--only", default="tiny,lora,scratch",
+                        help="which runs, comma-separated, of tiny (always run: the baseline), lora, scratch; "
+                             "a criterion whose run is left out is not judged")
     parser.add_argument("--shape-from-init", action="store_true",
                         help="the LoRA run names only model.init_from, no shape flags (once init_from takes "
                              "the shape from the checkpoint)")
     a = parser.parse_args(argv)
     if a.layers is None:
         a.layers = layers_for(a, a.fp32_gb)
+    only = {name.strip() for name in a.only.split(",") if name.strip()}
+    if only - set(RUNS):
+        parser.error(f"--only: unknown run(s) {', '.join(sorted(only - set(RUNS)))}; choose from {', '.join(RUNS)}")
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     size = fp32_bytes(a)
@@ -295,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             "lora": ["--model.init_from", str(imported), "--lora.rank", "8",
                      *([] if a.shape_from_init else shape)],
             "scratch": [*shape, "--data.tokenizer", str(tokenizer)]}
+    runs = {name: flags for name, flags in runs.items() if name == "tiny" or name in only}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC), "--standalone",
                 "-m", "ultratron", "train"]
     codes, memory = {}, {}
@@ -334,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
                 ("(b) from scratch, ZeRO-3: exit 0, every rank's start RSS above baseline", "scratch", "start")]
     failed = False
     for text, name, which in criteria:
+        if name not in runs:
+            print(f"skipped: {text} (--only)")
+            continue
         ratio = worst.get((name, which), math.inf) if len(memory[name]) == NPROC else math.inf
         ok = codes[name] == 0 and ratio <= RATIO_LIMIT
         failed |= not ok

@@ -172,3 +172,42 @@ def test_plan_memory_prints_the_start_beside_the_peak_and_puts_it_in_json(capsys
     assert data["start_init_bytes"] == layout["start_init_bytes"]
     assert layout["start_init_bytes"] == layout["start_shards"] + layout["start_buffers"] + 32 * MiB
     assert layout["fit_bytes"] == layout["peak_bytes"]
+
+
+# benchmarks/start_at_scale.py's model: a 4.6 GB Llama in fp32, LoRA rank 8 on dp 4 under ZeRO-3
+START_AT_SCALE = replace(PRESETS["llama3-1b"], n_layers=24, dim=2048, ffn_dim=5632, n_heads=16, n_kv_heads=8,
+                         vocab_size=4096, tie_embeddings=False, max_seq_len=2048, head_dim=None)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_without_backward_prefetch_zero3_gathers_one_block_at_a_time_not_two(precision):
+    """On a CPU the trainer turns FSDP2's backward prefetch off (parallel/data.py): a block's backward
+    holds that block gathered, not the next one too; the start has no gathered block either way."""
+    layout = Layout(dp=4, zero=3, seq_len=64, precision=precision)
+    block = sum(prod(s) for s in layer_tensor_shapes(START_AT_SCALE, moe=False))  # elements, gathered whole
+    gathered = block * (4 if precision == "fp32" else 2)
+    for lora in (None, (8, ("q", "k", "v", "o", "gate", "up", "down"))):
+        gpu = estimate_memory(START_AT_SCALE, layout, lora=lora)
+        cpu = estimate_memory(START_AT_SCALE, replace(layout, backward_prefetch=False), lora=lora)
+        assert gpu.transient - cpu.transient == pytest.approx(gathered, rel=1e-12)
+        if lora:  # (without it the optimizer step's temporaries are the peak)
+            assert gpu.peak_moment == cpu.peak_moment == "backward"
+            assert gpu.peak_bytes - cpu.peak_bytes == pytest.approx(gathered, rel=1e-12)
+        assert (cpu.start_init_bytes, cpu.start_load_bytes) == (gpu.start_init_bytes, gpu.start_load_bytes)
+    for zero in (0, 2):  # no block is gathered just in time: the prefetch changes nothing
+        on = estimate_memory(START_AT_SCALE, replace(layout, zero=zero))
+        assert estimate_memory(START_AT_SCALE, replace(layout, zero=zero, backward_prefetch=False)) == on
+
+
+def test_plan_memory_takes_no_backward_prefetch_as_a_flag(capsys):
+    flags = ["plan", "memory", "--n-layers", "24", "--dim", "2048", "--ffn-dim", "5632", "--n-heads", "16",
+             "--n-kv-heads", "8", "--vocab-size", "4096", "--no-tie-embeddings", "--max-seq-len", "2048", "--dp", "4",
+             "--zero", "3", "--seq", "64", "--precision", "fp32", "--lora-rank", "8", "--json"]
+    peaks = {}
+    for prefetch in ("--backward-prefetch", "--no-backward-prefetch"):
+        assert main([*flags, prefetch]) == 0
+        (layout,) = json.loads(capsys.readouterr().out)["layouts"]
+        assert layout["layout"]["backward_prefetch"] == (prefetch == "--backward-prefetch")
+        peaks[prefetch] = layout["peak_bytes"]
+    block = sum(prod(s) for s in layer_tensor_shapes(START_AT_SCALE, moe=False)) * 4  # fp32, gathered whole
+    assert peaks["--backward-prefetch"] - peaks["--no-backward-prefetch"] == pytest.approx(block, rel=1e-12)

@@ -299,7 +299,8 @@ def run_memory(args) -> int:
                    f"state, split over ep·tp, not ZeRO-sharded), all-to-all buffers {gib(m.extra['all_to_all_bytes'])}"
                    f" GiB (in comm_buffers)") if experts else ""
             print(f"#{i + 1}: {lay.describe()} seq={lay.seq_len} {lay.precision}"
-                  f"{' fp32-grad-accum' if lay.fp32_grad_accum else ''}{moe}")
+                  f"{' fp32-grad-accum' if lay.fp32_grad_accum else ''}"
+                  f"{' no-backward-prefetch' if not lay.backward_prefetch and lay.zero == 3 else ''}{moe}")
             print(f"    {start_line(lay, m)}")
     if args.chart:
         labels = varying_labels([lay for lay, _ in results])

@@ -62,13 +62,31 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, plan: Paral
     reshard = dims.zero == 3
     mesh = dims.dp_mesh
     ignored = ignored or None
+    sharded = []
     for block in plan.blocks(model).values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, ignored_params=ignored)
+        sharded.append(fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
+                                   ignored_params=ignored))
     # The root's parameters are the first used in backward's end; keeping them gathered avoids an
     # all-gather that would be needed again at once (as torchtitan does).
     for root in roots or [model]:
-        fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp, ignored_params=ignored)
+        sharded.append(fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp,
+                                   ignored_params=ignored))
+    if not prefetches_in_backward():
+        for module in sharded:
+            # FSDP2 has no "off": an empty list means its default (gather the next block in backward
+            # order). Naming the module itself makes the prefetch a no-op, since its pre-backward has
+            # just gathered it and `FSDPParamGroup.unshard` returns at once for a gathered group.
+            module.set_modules_to_backward_prefetch([module])
     return model
+
+
+def prefetches_in_backward() -> bool:
+    """Whether ZeRO-3 lets FSDP2 gather the next block while a block runs backward (its default).
+    Not under gloo, where the collectives run on the same CPU cores as the compute, so the overlap
+    buys little, while the prefetched block and its all-gather buffer are a second gathered block
+    held at once (`planning/memory.py` counts one on a CPU, `Layout.backward_prefetch`). Values do
+    not change, only when the gather happens."""
+    return dist.get_backend() != "gloo"
 
 
 def apply_replicate(model: nn.Module, dims: ParallelDims, plan: ParallelPlan, roots: list[nn.Module],

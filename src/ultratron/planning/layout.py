@@ -48,10 +48,11 @@ class Layout:
     sequences of `seq_len` tokens per data-parallel rank.
 
     The defaults are the planner's (a bf16 run at scale); the trainer's config replaces those of
-    the step fields with its own (a CPU demo). The last two fields are inputs of the planner only,
-    which is why the config has neither: `fp32_grad_accum` prices another framework's convention
-    (the trainer has one: its own), and `attention_fp32` is how the trainer runs bf16 on a CPU,
-    which it decides from the device, not from a setting."""
+    the step fields with its own (a CPU demo). The last three fields are inputs of the planner only,
+    which is why the config has none of them: `fp32_grad_accum` prices another framework's convention
+    (the trainer has one: its own), and `attention_fp32` and `backward_prefetch` are how the trainer
+    runs bf16 on a CPU and ZeRO-3 on a CPU's gloo, which it decides from the device, not from a
+    setting."""
 
     dp: int = option(1, "data-parallel degree (under HSDP: dp_replicate × dp_shard)", minimum=1)
     dp_replicate: int = option(1, "HSDP: dp = dp_replicate × dp_shard; shard within groups, replicate across",
@@ -105,6 +106,10 @@ class Layout:
     # like Megatron's --attention-softmax-in-fp32; ultratron does this for bf16 on CPU
     # (models.llama.model.sdpa_attention)
     attention_fp32: bool = option(False, "attention computed in fp32 under bf16 (as ultratron does on a CPU)")
+    # ultratron turns FSDP2's backward prefetch off under gloo (parallel.data.prefetches_in_backward)
+    backward_prefetch: bool = option(True, "ZeRO-3: FSDP2 gathers the next block while a block runs backward, two "
+                                           "blocks gathered at once (as on a GPU); off: one (as ultratron runs on "
+                                           "CPUs, where the collectives share the compute's cores)")
 
     @property
     def n_gpus(self) -> int:

@@ -13,8 +13,9 @@ following what `parallel/data.py` does for the layout (`rules.data_parallel_wrap
   sharded fp32 gradients 4/N, moments 8/N; ZeRO-2 keeps each weight gathered in the compute
   dtype (2 in bf16, 4 in fp32; 1 under fp8: the fp8 weight copies `parallel/float8.py` all-gathers)
   from forward through backward, ZeRO-3 only the root (comm_buffers: embedding, final norm, head)
-  and, during a block's backward, two blocks, one block's gradients reduce-scattered in fp32 (in
-  its transient; at the loss's backward and the optimizer step no block is gathered). With more
+  and, during a block's backward, two blocks (the next one prefetched; one where
+  `backward_prefetch` is off, as the trainer runs on a CPU), one block's gradients reduce-scattered
+  in fp32 (in its transient; at the loss's backward and the optimizer step no block is gathered). With more
   than one micro-batch a step (or under pp) ZeRO-2 reduces gradients only on the last one, so FSDP2
   accumulates the unsharded gradients in fp32 until then (grad_accum_buffer, 4; measured by
   `ultratron simulate`); ZeRO-3 reduce-scatters every micro-batch's and its sharded gradients add
@@ -288,10 +289,12 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
     if st.gathered_blocks:
         # a block's sharded parameters: its routed experts too while they are not split
         layer_params = _layer_params(shape, t) + (0.0 if experts else routed_expert_params_per_layer(shape))
-        # at a block's backward: it and the next (FSDP2's backward prefetch) gathered, one block's fp32
-        # gradients reduce-scattered; none at the loss's backward (the last block resharded after
-        # forward) nor at the optimizer step
-        block_comm = 2 * layer_params * layout.gathered_bytes + layer_params * 4
+        # at a block's backward: it and the next (FSDP2's backward prefetch) gathered — only itself where
+        # the prefetch is off (`backward_prefetch`: the trainer on a CPU, parallel/data.py) — and one
+        # block's fp32 gradients reduce-scattered; none at the loss's backward (the last block resharded
+        # after forward) nor at the optimizer step
+        gathered_blocks = 2 if layout.backward_prefetch else 1
+        block_comm = gathered_blocks * layer_params * layout.gathered_bytes + layer_params * 4
         # the root (embedding, final norm, head) stays gathered through the step (parallel/data.py)
         comm += p * (sharded - sum(where.layers) * layer_params)
     # Backward's transients on top of forward's leftovers: the loss's gradients on the last stage,

@@ -26,6 +26,7 @@ from ultratron.models.sampling import generate
 from ultratron.parallel.parallelize import parallelize, topology
 from ultratron.planning.flops import flops_per_token_of
 from ultratron.planning.params import count_params_of
+from ultratron.training.allocator import configure_host_allocator
 from ultratron.training.batch_ramp import BatchSchedule
 from ultratron.training.checkpointing import CheckpointPolicy, with_init_tokenizer
 from ultratron.training.health import HealthMonitor
@@ -70,6 +71,7 @@ class Trainer:
         self.cfg, t = cfg, cfg.training
         self.start_memory: dict | None = None
         device = pick_device(t.device)
+        configure_host_allocator(device)  # on a CPU: large tensors mmapped, not fragmenting the heap
         settle_precision(t, device)  # (auto: bf16 on a GPU, fp32 on a CPU)
         self.dims = topology(cfg.layout, cfg.parallel.collective_timeout)
         self.run_dir = Path(cfg.run.dir)
