@@ -1,4 +1,4 @@
-"""Batched generation with a KV cache of per-sequence slots: prompts are prefilled (reusing what
+"""Batched generation over a paged KV cache (inference/paged_kv.py): prompts are prefilled (reusing what
 the prefix cache holds, a token budget at a time), then every running sequence gets one token per
 step, and sequences join and leave between steps.
 
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from ultratron.inference.kv_cache import SlotCache
+from ultratron.inference.paged_kv import PagedCache
 from ultratron.inference.prefill import Prefill, PrefillStats
 from ultratron.inference.prefix_cache import PrefixCache
 from ultratron.inference.sequence import SamplingParams, Sequence, TokenInfo, _adjusted, _Row
@@ -26,7 +26,17 @@ __all__ = ["Engine", "SamplingParams", "Sequence", "TokenInfo", "_adjusted", "ru
 class Engine:
     """Continuous batching: sequences join and leave the running batch at token boundaries.
 
-    Each admitted sequence owns a slot of the KV cache. `admit` queues new sequences for prefill
+    Each admitted sequence owns a slot (a block table) of the paged KV cache, at most `slots` of
+    them; its blocks come from a pool of `kv_cache_tokens` positions as it grows (default: slots ×
+    capacity, what a slot each at full context would reserve). A prompt starts its prefill only when
+    the pool can give all of its blocks besides those promised to the prompts prefilling, and (a new
+    one) one spare block per running row; until then it waits in the queue, and the prompts behind it
+    too (FIFO). When a decode step needs more blocks than are free, the last running rows are
+    preempted: their blocks are freed and they go to the front of the queue, where their prompt and
+    generated tokens are computed again when blocks free up (vLLM's recompute preemption); their
+    sampling goes on where it was. A sequence longer than the pool is refused (ValueError).
+
+    `admit` queues new sequences for prefill
     and runs prefill forwards of at most `max_batched_tokens` tokens (less the running rows' one
     each): a prompt longer than that is prefilled in chunks over several calls, the running rows
     stepping in between. With a prefix cache (`prefix_cache_tokens` > 0) a prompt's longest cached
@@ -40,15 +50,18 @@ class Engine:
     tokens of the sequences admitted), `prefill.computed_tokens` (those the model computed; the
     rest came from the prefix cache), `prefill.cached_tokens`; the prefix cache's `bytes`,
     `budget_bytes`, `lookups`, `hit_lookups`; the KV slots' `kv_tokens` (positions held now) and
-    `kv_peak_tokens` (the most held after any forward) against `kv_capacity` (slots × positions).
+    `kv_peak_tokens` (the most held after any forward) against `kv_capacity` (the pool's positions);
+    `kv_blocks` in use now, `kv_peak_blocks`, `preempted` rows and `prefill.recomputed_tokens`.
     """
 
     def __init__(self, model, eos_id: int, decode: Callable[[list[int]], str], slots: int, capacity: int, *,
                  prefix_cache_tokens: int = 0, cache_top_k: int = 20, max_batched_tokens: int | None = None,
-                 block: int = 16):
+                 block: int = 16, kv_cache_tokens: int | None = None):
         self.model, self.eos_id, self.decode = model, eos_id, decode
         self.device = next(model.parameters()).device
-        self.cache = SlotCache(model, slots, min(capacity, model_args(model).max_seq_len))
+        capacity = min(capacity, model_args(model).max_seq_len)
+        pool = kv_cache_tokens or PagedCache.default_tokens(slots, capacity, block)
+        self.cache = PagedCache(model, slots, capacity, pool, block)
         self.top_k = min(cache_top_k, model_args(model).vocab_size)  # alternatives kept per prompt position
         self.prefix = PrefixCache(model, prefix_cache_tokens, self.top_k, block) if prefix_cache_tokens > 0 else None
         self.max_batched_tokens = max_batched_tokens or slots * self.cache.capacity
@@ -56,7 +69,7 @@ class Engine:
         self.pending: list[torch.Tensor] = []  # row i's log-probabilities for its next token
         self.queue: list[Prefill] = []  # admitted, prompt not computed yet; each holds a slot past the rows
         self.prefill = PrefillStats()
-        self.kv_peak_tokens = 0
+        self.kv_peak_tokens = self.kv_peak_blocks = self.preempted = 0
 
     @property
     def free(self) -> int:
@@ -73,12 +86,13 @@ class Engine:
 
     @property
     def kv_capacity(self) -> int:
-        return self.cache.slots * self.cache.capacity
+        return self.cache.tokens
 
     def stats(self) -> dict:
         """Counters for /metrics: prompt tokens admitted and computed, prefix-cache use, KV use."""
         out = {**vars(self.prefill), "kv_tokens": self.kv_tokens, "kv_peak_tokens": self.kv_peak_tokens,
-               "kv_capacity": self.kv_capacity,
+               "kv_capacity": self.kv_capacity, "kv_blocks": self.cache.n_blocks - self.cache.free_blocks,
+               "kv_peak_blocks": self.kv_peak_blocks, "kv_block": self.cache.block, "preempted": self.preempted,
                "running": len(self.rows), "prefilling": len(self.queue)}
         if self.prefix is not None:
             out["prefix_cache"] = self.prefix.stats()
@@ -95,6 +109,10 @@ class Engine:
         longest = max((len(s.prompt_ids) for s in seqs), default=0)
         if longest > self.cache.capacity:
             raise ValueError(f"a prompt of {longest} tokens exceeds the cache capacity {self.cache.capacity}")
+        longest = max((min(len(s.prompt_ids) + s.params.max_tokens, self.cache.capacity) for s in seqs), default=0)
+        if longest > self.cache.tokens:
+            raise ValueError(f"a sequence of {longest} tokens (prompt and max_tokens) exceeds the KV cache "
+                             f"of {self.cache.tokens} tokens")
         held = {p.slot for p in self.queue}
         free = (slot for slot in range(len(self.rows), self.cache.slots) if slot not in held)
         for s, slot in zip(seqs, free, strict=False):
@@ -126,11 +144,18 @@ class Engine:
         chosen: list[tuple[Prefill, int]] = []
         width = 0
         started = [p for p in self.queue if p.started]
+        blocked = False  # a prompt waits for blocks: so do the ones behind it
         for item in self.queue:
             if not item.started:
+                if blocked:
+                    continue
                 cached = item.lookup(self.prefix)
                 if self.prefix is not None and any(self._worth_waiting(item, p.shares(item) - cached, cached)
                                                    for p in started):
+                    continue
+                spare = 0 if item.resume is not None else len(self.rows)
+                if self.cache.blocks_for(len(item.ids)) + spare > self._available():
+                    blocked = True
                     continue
             c = min(item.remaining - (0 if item.started else item.reuse), budget)
             if (len(chosen) + 1) * max(width, c) > budget:
@@ -144,8 +169,13 @@ class Engine:
             width = max(width, c)
         return chosen
 
+    def _available(self) -> int:
+        """Free blocks not promised to the prompts prefilling (each gets all its blocks)."""
+        promised = sum(self.cache.blocks_for(len(p.ids)) - self.cache.held[p.slot] for p in self.queue if p.started)
+        return self.cache.free_blocks - promised
+
     def _worth_waiting(self, item: Prefill, gain: int, cached: int) -> bool:
-        return gain > 1 and (gain >= self.prefix.block or 2 * gain >= len(item.seq.prompt_ids) - cached)
+        return gain > 1 and (gain >= self.prefix.block or 2 * gain >= len(item.ids) - cached)
 
     def _forward(self, chosen: list[tuple[Prefill, int]]) -> list[Prefill]:
         """One forward of the chosen chunks; log-softmax only where a log-probability is needed.
@@ -153,7 +183,8 @@ class Engine:
         width = max(c for _, c in chosen)
         tokens = torch.zeros(len(chosen), width, dtype=torch.long)
         for i, (item, c) in enumerate(chosen):
-            tokens[i, :c] = torch.tensor(item.seq.prompt_ids[item.done:item.done + c])
+            tokens[i, :c] = torch.tensor(item.ids[item.done:item.done + c])
+            self.cache.grow(item.slot, item.done + c)
         view = self.cache.at([item.slot for item, _ in chosen])
         hidden = _hidden(self.model, tokens.to(self.device), view)
         view.advance(torch.tensor([c for _, c in chosen], device=self.device))
@@ -171,18 +202,22 @@ class Engine:
         complete = []
         for item, c in chosen:
             item.done += c
-            self.prefill.computed_tokens += c
-            if item.done == len(item.seq.prompt_ids):
+            if item.resume is None:
+                self.prefill.computed_tokens += c
+            else:
+                self.prefill.recomputed_tokens += c
+            if item.done == len(item.ids):
                 complete.append(item)
         return complete
 
     def _complete(self, item: Prefill) -> list[Sequence]:
         """A prompt fully computed: into the prefix cache, then its slot joins the running rows."""
         self.queue.remove(item)
-        if self.prefix is not None:
+        if self.prefix is not None and item.resume is None:
             splits = tuple(item.shares(p) for p in self.queue if not p.started)
             item.store(self.prefix, self.cache, splits)
-        item.finish_prompt(TokenInfo)
+        if item.resume is None:
+            item.finish_prompt(TokenInfo)
         target = len(self.rows)
         other = next((p for p in self.queue if p.slot == target), None)
         if other is not None:
@@ -191,9 +226,9 @@ class Engine:
         elif item.slot != target:
             self.cache.move(item.slot, target)
             self.cache.reset(item.slot)
-        self.rows.append(_Row(item.seq, self.eos_id, self.decode))
+        self.rows.append(item.resume or _Row(item.seq, self.eos_id, self.decode))
         self.pending.append(item.next_logp)
-        if item.seq.params.max_tokens <= 0:
+        if item.resume is None and item.seq.params.max_tokens <= 0:
             item.seq.finish_reason = "length"
             self._release([len(self.rows) - 1])
             return [item.seq]
@@ -205,6 +240,7 @@ class Engine:
         finished = [i for i, r in enumerate(self.rows) if r.push(self.pending[i])]
         done = [self.rows[i].seq for i in finished]
         self._release(finished)
+        self._grow_rows()
         if self.rows:
             view = self.cache.rows(0, len(self.rows))
             next_ids = torch.tensor([[r.seq.tokens[-1].id] for r in self.rows], device=self.device)
@@ -214,9 +250,28 @@ class Engine:
             self._note_kv()
         return done
 
+    def _grow_rows(self) -> None:
+        """A block for every row whose next position starts one; the last rows are preempted while
+        the free blocks (not promised to a prefill) do not suffice."""
+        cache = self.cache
+        while self.rows:
+            lengths = cache.lengths[:len(self.rows)].tolist()
+            need = [i for i, n in enumerate(lengths) if n >= cache.held[i] * cache.block]
+            if len(need) <= self._available():
+                for i in need:
+                    cache.grow(i, lengths[i] + 1)
+                return
+            last = len(self.rows) - 1  # its slot, once it leaves the rows, is the queue's
+            row = self.rows.pop()
+            self.pending.pop()
+            cache.reset(last)
+            self.queue.insert(0, Prefill(row.seq, last, resume=row))
+            self.preempted += 1
+
     def _note_kv(self) -> None:
         held = sum(len(r.seq.prompt_ids) + len(r.seq.tokens) for r in self.rows) + sum(p.done for p in self.queue)
         self.kv_peak_tokens = max(self.kv_peak_tokens, held)
+        self.kv_peak_blocks = max(self.kv_peak_blocks, self.cache.n_blocks - self.cache.free_blocks)
 
     def abort(self, seqs: list[Sequence]) -> list[Sequence]:
         """Let `seqs` go wherever they are (queued for prefill or running); returns those that were
@@ -247,7 +302,7 @@ class Engine:
         self.rows.clear()
         self.pending.clear()
         self.queue.clear()
-        self.cache.lengths.zero_()
+        self.cache.clear()
 
     def _release(self, rows: list[int]) -> None:
         """Free the slots of `rows`: the last running row moves into each freed slot, and a prompt
