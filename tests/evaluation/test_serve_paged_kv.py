@@ -130,7 +130,7 @@ def test_the_default_pool_matches_the_whole_context_forward(model):
     log-probability (echoed prompt, completion) within PAGED_KV of its log-softmax."""
     requests = _requests(1, 12)
     seqs, engine = _run(model, requests)
-    assert engine.preempted == 0 and engine.cache.free_blocks == engine.cache.n_blocks == 6 * 96 // 16
+    assert engine.roomy and engine.preempted == 0 and engine.cache.free_blocks == engine.cache.n_blocks == 6 * 96 // 16
     for seq in seqs:
         ids = seq.prompt_ids + seq.token_ids
         with torch.no_grad():

@@ -30,7 +30,8 @@ class Engine:
     them; its blocks come from a pool of `kv_cache_tokens` positions as it grows (default: slots ×
     capacity, what a slot each at full context would reserve). A prompt starts its prefill only when
     the pool can give all of its blocks besides those promised to the prompts prefilling, and (a new
-    one) one spare block per running row; until then it waits in the queue, and the prompts behind it
+    one) one spare block per running row unless every slot fits at full capacity (`roomy`, the
+    default pool); until then it waits in the queue, and the prompts behind it
     too (FIFO). When a decode step needs more blocks than are free, the last running rows are
     preempted: their blocks are freed and they go to the front of the queue, where their prompt and
     generated tokens are computed again when blocks free up (vLLM's recompute preemption); their
@@ -62,6 +63,8 @@ class Engine:
         capacity = min(capacity, model_args(model).max_seq_len)
         pool = kv_cache_tokens or PagedCache.default_tokens(slots, capacity, block)
         self.cache = PagedCache(model, slots, capacity, pool, block)
+        # every slot fits at full capacity: no prompt waits for blocks, no row is preempted
+        self.roomy = self.cache.n_blocks >= slots * self.cache.blocks_for(capacity)
         self.top_k = min(cache_top_k, model_args(model).vocab_size)  # alternatives kept per prompt position
         self.prefix = PrefixCache(model, prefix_cache_tokens, self.top_k, block) if prefix_cache_tokens > 0 else None
         self.max_batched_tokens = max_batched_tokens or slots * self.cache.capacity
@@ -153,7 +156,7 @@ class Engine:
                 if self.prefix is not None and any(self._worth_waiting(item, p.shares(item) - cached, cached)
                                                    for p in started):
                     continue
-                spare = 0 if item.resume is not None else len(self.rows)
+                spare = 0 if item.resume is not None or self.roomy else len(self.rows)
                 if self.cache.blocks_for(len(item.ids)) + spare > self._available():
                     blocked = True
                     continue
