@@ -173,12 +173,13 @@ class PagedRows:
         end = int(pos.max()) + 1
         table = cache.table[self.slots]  # (batch, blocks a sequence can have)
         held = torch.tensor(cache.held, device=table.device)[self.slots]
-        self._written = inside & (pos // block < held[:, None])  # not clamped, in the row's blocks
-        rows = table.gather(1, pos // block) * block + pos % block
-        self._write_rows = rows[self._written]
+        written = inside & (pos // block < held[:, None])  # not clamped, in the row's blocks
+        rows = (table.gather(1, pos // block) * block + pos % block).reshape(-1)
+        self._take = None if bool(written.all()) else written.reshape(-1).nonzero().squeeze(1)  # (decode: all)
+        self._write_rows = rows if self._take is None else rows[self._take]
         every = torch.arange(end, device=table.device)
         reads = table[:, every // block] * block + every % block  # (batch, end)
-        reads[every[None, :] // block >= held[:, None]] = 0  # past the row's blocks: masked keys
+        reads.masked_fill_(every[None, :] // block >= held[:, None], 0)  # past the row's blocks: masked keys
         self._read_rows, self._shape = reads.reshape(-1), (len(self.slots), end)
         return pos
 
@@ -188,7 +189,10 @@ class PagedRows:
     def _update(self, name: str, k: torch.Tensor, v: torch.Tensor):
         out = []
         for store, new in ((self.cache.keys[name], k), (self.cache.values[name], v)):
-            store.index_copy_(0, self._write_rows, new.transpose(1, 2)[self._written].to(store.dtype))
+            new = new.transpose(1, 2).reshape(-1, *store.shape[1:])  # (batch · seq, kv_heads, head_dim)
+            if self._take is not None:
+                new = new.index_select(0, self._take)
+            store.index_copy_(0, self._write_rows, new.to(store.dtype))
             gathered = store.index_select(0, self._read_rows)
             out.append(gathered.view(*self._shape, *store.shape[1:]).transpose(1, 2))
         return out[0], out[1]
