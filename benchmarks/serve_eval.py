@@ -2,6 +2,7 @@
 costs a workload with nothing to share (CPU).
 
   python benchmarks/serve_eval.py [--checkpoint DIR] [--rounds 5] [--threads 4] [--only scoring,eval,chat,plain]
+        [--kv-cache-tokens N]
 
 Without --checkpoint it trains a small model (4 layers, dim 256, a 2048-token context) for a few
 steps: the figures are timings, the weights only have to be the same on both sides. Every round
@@ -16,7 +17,9 @@ printed are the medians over rounds and their ratio.
 - chat: streamed chat completions that share a ~200-token system prompt, 8 in flight, 32
   tokens each: the median time to the first streamed token;
 - plain: completions with nothing shared (distinct prompts), 8 in flight, 64 tokens each: tokens/s.
-The server reports its prompt tokens computed ÷ admitted (/stats) for each run; it is printed too.
+The server reports its prompt tokens computed ÷ admitted (/stats) for each run; it is printed too,
+and the paged KV cache's use: the most positions held, the most blocks in use and the rows preempted
+against the pool (`--kv-cache-tokens`, passed to both servers; default: --max-batch × context).
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ def five_shot_file(path: Path) -> Path:
     return path
 
 
-def start(ckpt: str, cache_tokens: int | None, threads: int) -> tuple[subprocess.Popen, str]:
+def start(ckpt: str, cache_tokens: int | None, threads: int, kv_tokens: int | None) -> tuple[subprocess.Popen, str]:
     extra = [] if cache_tokens is None else ["--prefix-cache-tokens", str(cache_tokens)]
+    extra += [] if kv_tokens is None else ["--kv-cache-tokens", str(kv_tokens)]
     return start_server(ckpt, "--threads", str(threads), *extra)
 
 
@@ -131,6 +135,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)  # more than the free cores: multi-threaded ops crawl
     parser.add_argument("--only", default="scoring,eval,chat,plain")
+    parser.add_argument("--kv-cache-tokens", type=int)
     args = parser.parse_args()
     parts = args.only.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +155,8 @@ def main() -> None:
         shares: dict[tuple[str, str], list[float]] = {}
         memory = []
         for _ in range(args.rounds):
-            servers = {"off": start(ckpt, 0, args.threads), "on": start(ckpt, None, args.threads)}
+            servers = {mode: start(ckpt, tokens, args.threads, args.kv_cache_tokens)
+                       for mode, tokens in (("off", 0), ("on", None))}
             try:
                 runs = [(f"scoring {n}", lambda url, n=n: scoring(url, prompts[n])) for n in prompts
                         if "scoring" in parts]
@@ -167,7 +173,10 @@ def main() -> None:
                         shares.setdefault((name, mode), []).append(s)
                 engine = stats["on"]
                 memory.append((engine["kv_peak_tokens"], engine["kv_capacity"], engine["prefix_cache"]["bytes"],
-                               engine["prefix_cache"]["tokens"]))
+                               engine["prefix_cache"]["tokens"],  # the paged cache's (absent before it)
+                               engine.get("kv_peak_blocks", 0) * engine.get("kv_block", 0),
+                               stats["off"].get("kv_peak_blocks", 0) * stats["off"].get("kv_block", 0),
+                               engine.get("preempted", 0) + stats["off"].get("preempted", 0)))
             finally:
                 for proc, _ in servers.values():
                     proc.terminate()
@@ -180,9 +189,11 @@ def main() -> None:
                   f"{'as fast' if unit == 's' else 'of off'}); prompt tokens computed / total: off "
                   f"{statistics.median(shares[name, 'off']):.3f}, on {statistics.median(shares[name, 'on']):.3f} "
                   f"(median of {args.rounds})")
-        peak, capacity, cache_bytes, cache_tokens = memory[-1]
-        print(f"KV slots (cache on, last round): at most {peak} positions held of the {capacity} the slots reserve "
-              f"({peak / capacity:.1%}); prefix cache {cache_tokens} positions, {cache_bytes / 2**20:.1f} MiB")
+        peak, capacity, cache_bytes, cache_tokens, blocks_on, blocks_off, preempted = memory[-1]
+        print(f"KV cache (prefix cache on, last round): at most {peak} positions held of the {capacity} the KV "
+              f"cache holds ({peak / capacity:.1%}); in blocks, at most {blocks_on} positions (prefix cache off: "
+              f"{blocks_off}); rows preempted: {preempted}; prefix cache {cache_tokens} positions, "
+              f"{cache_bytes / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":

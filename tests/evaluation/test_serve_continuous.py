@@ -205,9 +205,10 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(model):
     from ultratron.serving.batcher import check_kv_memory
     from ultratron.serving.server import Server, ServerLimits
 
-    assert check_kv_memory(model, 4, 100) == 2 * 2 * 4 * 2 * 100 * 8 * 4  # K and V, layers, slots, kv heads, pos, dim
-    with pytest.raises(ConfigError, match="KV cache of 100000000 slots × 528 positions needs .* lower --max-batch"):
-        check_kv_memory(model, 10**8, LONG + 16)
+    assert check_kv_memory(model, 4 * 100) == 2 * 2 * 4 * 2 * 100 * 8 * 4  # K and V, layers, positions, kv heads, dim
+    assert check_kv_memory(model, 4 * 100 + 15) == check_kv_memory(model, 4 * 100)  # whole blocks of 16, within
+    with pytest.raises(ConfigError, match="KV cache of 52800000000 tokens needs .* lower --kv-cache-tokens"):
+        check_kv_memory(model, 10**8 * (LONG + 16))
 
     class Tok:
         eos_id, decode = 0, staticmethod(_decode)

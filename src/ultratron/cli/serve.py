@@ -39,15 +39,16 @@ def run(args: argparse.Namespace) -> int:
     limits = ServerLimits(max_body_bytes=s.max_body_bytes, max_batch_rows=s.max_batch, max_queue=s.max_queue,
                           continuous=s.batching == "continuous", max_model_len=s.max_model_len,
                           request_timeout=s.request_timeout or None, prefix_cache_tokens=s.prefix_cache_tokens,
-                          max_batched_tokens=s.max_batched_tokens)
+                          max_batched_tokens=s.max_batched_tokens, kv_cache_tokens=s.kv_cache_tokens)
     server = Server(loaded.model, loaded.tokenizer, s.model_name, s.api_key or os.environ.get("ULTRATRON_API_KEY"),
                     limits)
     sock = listen(s.host, s.port)  # before the line below, which names the port really served
     port = sock.getsockname()[1]
     print(f"serving {loaded.checkpoint_dir} as {s.model_name!r} on http://{s.host}:{port}/v1 "
           f"({str(dtype).removeprefix('torch.')}, {s.batching} "
-          f"batching, {s.max_batch} KV-cache slots × {server.context} positions = "
-          f"{server.batcher.kv_bytes / 2**20:.0f} MiB; prefix cache {s.prefix_cache_tokens} tokens = "
+          f"batching, up to {s.max_batch} sequences of up to {server.context} positions; KV cache "
+          f"{server.batcher.kv_tokens} tokens = {server.batcher.kv_bytes / 2**20:.0f} MiB (paged, blocks of "
+          f"{server.batcher.engine.cache.block}); prefix cache {s.prefix_cache_tokens} tokens = "
           f"{server.batcher.prefix_cache_bytes / 2**20:.0f} MiB; {s.max_batched_tokens} prompt tokens per "
           f"iteration)", flush=True)
     serve(server, sock)

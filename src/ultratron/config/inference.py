@@ -41,10 +41,13 @@ class ServeSettings:
     request_timeout: float = option(600.0, "seconds a non-streamed request may generate before it is stopped "
                                            "and answered 504 (0: no limit); a client that disconnects stops "
                                            "its generation at once", minimum=0)
-    max_batch: int = option(32, "most sequences generated together (KV-cache slots)")
+    max_batch: int = option(32, "most sequences generated together")
     max_queue: int = option(256, "waiting sequences before new requests are answered 429 (back-pressure)")
     max_model_len: int | None = option(None, "longest prompt + completion served (default: the model's context); "
-                                             "each KV-cache slot reserves this many positions")
+                                             "the default KV cache holds --max-batch sequences this long")
+    kv_cache_tokens: int | None = option(None, "positions of the paged KV cache (blocks of 16 shared by the running "
+                                               "sequences, taken as they grow); a request longer is refused "
+                                               "(default: --max-batch × --max-model-len)", minimum=16)
     prefix_cache_tokens: int = option(32768, "prompt positions the prefix cache keeps (keys/values and the "
                                              "prompt log-probabilities echo requests report), reused by later "
                                              "prompts that start the same way; 0: off", minimum=0)

@@ -1,4 +1,4 @@
-"""Batched generation with a KV cache of per-sequence slots: prompts are prefilled (reusing what
+"""Batched generation over a paged KV cache (inference/paged_kv.py): prompts are prefilled (reusing what
 the prefix cache holds, a token budget at a time), then every running sequence gets one token per
 step, and sequences join and leave between steps.
 
@@ -11,151 +11,33 @@ smaller batch or make room for a waiting sequence.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from ultratron.inference.kv_cache import SlotCache
+from ultratron.inference.paged_kv import PagedCache
 from ultratron.inference.prefill import Prefill, PrefillStats
 from ultratron.inference.prefix_cache import PrefixCache
+from ultratron.inference.sequence import SamplingParams, Sequence, TokenInfo, _adjusted, _Row
 from ultratron.models.registry import model_args
-from ultratron.models.sampling import keep_top_k
 
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None  # how many top alternatives to report per token; None: no logprobs
-    echo: bool = False  # also report the prompt's tokens (with logprobs if asked)
-    ignore_eos: bool = False
-    logit_bias: dict[int, float] | None = None  # added to the logits before sampling (OpenAI's logit_bias)
-    frequency_penalty: float = 0.0  # less per earlier occurrence of the token in the completion
-    presence_penalty: float = 0.0  # less once the token has occurred in the completion
-    top_k: int = 0  # sample among the k most likely tokens only; 0 or -1: all
-    # constrained decoding: (generated ids, scores) -> scores with the tokens not allowed next at -inf
-    constrain: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None
-
-
-@dataclass
-class TokenInfo:
-    id: int
-    logprob: float | None  # None for the first prompt token, which has no context
-    top: list[tuple[int, float]] | None = None
-
-
-@dataclass
-class Sequence:
-    """One prompt's generation: filled in by `run_batch`."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    on_text: Callable[[Sequence, str], None] | None = None  # streaming: called with each new piece of text
-    prompt_tokens: list[TokenInfo] = field(default_factory=list)
-    tokens: list[TokenInfo] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    _emitted: int = 0
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [t.id for t in self.tokens]
-
-
-def _top(logp: torch.Tensor, k: int | None) -> list[tuple[int, float]] | None:
-    if not k:
-        return None
-    values, ids = logp.topk(min(k, logp.shape[-1]))
-    return list(zip(ids.tolist(), values.tolist(), strict=True))
-
-
-def _adjusted(logp: torch.Tensor, params: SamplingParams, generated: list[int]) -> torch.Tensor:
-    """The scores sampling draws from: OpenAI's definition, logit[j] − c[j]·frequency_penalty −
-    [c[j] > 0]·presence_penalty + logit_bias[j], c[j] the count of token j in the completion so far.
-    (A constant shift of every logit leaves the softmax alone, so log-probabilities serve as logits.)"""
-    if not (params.logit_bias or params.frequency_penalty or params.presence_penalty):
-        return logp
-    scores = logp.clone()
-    if generated and (params.frequency_penalty or params.presence_penalty):
-        counts = torch.bincount(torch.tensor(generated), minlength=scores.shape[-1]).to(scores.dtype)
-        scores -= counts * params.frequency_penalty + (counts > 0).to(scores.dtype) * params.presence_penalty
-    for token, bias in (params.logit_bias or {}).items():
-        scores[token] += bias
-    return scores
-
-
-def _sample(logp: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    if params.temperature <= 0:
-        return int(logp.argmax())
-    probs = torch.softmax(keep_top_k(logp / params.temperature, params.top_k), dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # keeps at least the top token
-        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing characters might still become a stop string (or are half a character)."""
-    hold = 1 if text.endswith("\ufffd") else 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:n]):
-                hold = max(hold, n)
-                break
-    return hold
-
-
-class _Row:
-    def __init__(self, seq: Sequence, eos_id: int, decode: Callable[[list[int]], str]):
-        self.seq, self.eos_id, self.decode = seq, eos_id, decode
-        seed = seq.params.seed
-        self.generator = None
-        if seq.params.temperature > 0:
-            self.generator = torch.Generator().manual_seed(seed if seed is not None else
-                                                           int(torch.randint(0, 2**62, (1,))))
-
-    def push(self, logp: torch.Tensor) -> bool:
-        """Sample the next token from log-probabilities `logp` (vocab,); True when the row is done."""
-        seq, params = self.seq, self.seq.params
-        scores = _adjusted(logp.cpu(), params, seq.token_ids)
-        if params.constrain is not None:
-            scores = params.constrain(seq.token_ids, scores)
-        token = _sample(scores, params, self.generator)
-        if token == self.eos_id and not params.ignore_eos:
-            seq.finish_reason = "stop"
-        else:
-            seq.tokens.append(TokenInfo(token, float(logp[token]), _top(logp, params.logprobs)))
-            text = self.decode(seq.token_ids)
-            cut = min((i for i in (text.find(s) for s in params.stop if s) if i >= 0), default=-1)
-            if cut >= 0:
-                seq.text, seq.finish_reason = text[:cut], "stop"
-            else:
-                seq.text = text
-                if len(seq.tokens) >= params.max_tokens:
-                    seq.finish_reason = "length"
-        done = seq.finish_reason is not None
-        self._emit(done)
-        return done
-
-    def _emit(self, done: bool) -> None:
-        seq = self.seq
-        if seq.on_text is None:
-            return
-        upto = len(seq.text) if done else len(seq.text) - _held_back(seq.text, seq.params.stop)
-        if upto > seq._emitted:
-            piece, seq._emitted = seq.text[seq._emitted:upto], upto
-            seq.on_text(seq, piece)
+__all__ = ["Engine", "SamplingParams", "Sequence", "TokenInfo", "_adjusted", "run_batch"]
 
 
 class Engine:
     """Continuous batching: sequences join and leave the running batch at token boundaries.
 
-    Each admitted sequence owns a slot of the KV cache. `admit` queues new sequences for prefill
+    Each admitted sequence owns a slot (a block table) of the paged KV cache, at most `slots` of
+    them; its blocks come from a pool of `kv_cache_tokens` positions as it grows (default: slots ×
+    capacity, what a slot each at full context would reserve). A prompt starts its prefill only when
+    the pool can give all of its blocks besides those promised to the prompts prefilling, and (a new
+    one) one spare block per running row unless every slot fits at full capacity (`roomy`, the
+    default pool); until then it waits in the queue, and the prompts behind it
+    too (FIFO). When a decode step needs more blocks than are free, the last running rows are
+    preempted: their blocks are freed and they go to the front of the queue, where their prompt and
+    generated tokens are computed again when blocks free up (vLLM's recompute preemption); their
+    sampling goes on where it was. A sequence longer than the pool is refused (ValueError).
+
+    `admit` queues new sequences for prefill
     and runs prefill forwards of at most `max_batched_tokens` tokens (less the running rows' one
     each): a prompt longer than that is prefilled in chunks over several calls, the running rows
     stepping in between. With a prefix cache (`prefix_cache_tokens` > 0) a prompt's longest cached
@@ -169,15 +51,20 @@ class Engine:
     tokens of the sequences admitted), `prefill.computed_tokens` (those the model computed; the
     rest came from the prefix cache), `prefill.cached_tokens`; the prefix cache's `bytes`,
     `budget_bytes`, `lookups`, `hit_lookups`; the KV slots' `kv_tokens` (positions held now) and
-    `kv_peak_tokens` (the most held after any forward) against `kv_capacity` (slots × positions).
+    `kv_peak_tokens` (the most held after any forward) against `kv_capacity` (the pool's positions);
+    `kv_blocks` in use now, `kv_peak_blocks`, `preempted` rows and `prefill.recomputed_tokens`.
     """
 
     def __init__(self, model, eos_id: int, decode: Callable[[list[int]], str], slots: int, capacity: int, *,
                  prefix_cache_tokens: int = 0, cache_top_k: int = 20, max_batched_tokens: int | None = None,
-                 block: int = 16):
+                 block: int = 16, kv_cache_tokens: int | None = None):
         self.model, self.eos_id, self.decode = model, eos_id, decode
         self.device = next(model.parameters()).device
-        self.cache = SlotCache(model, slots, min(capacity, model_args(model).max_seq_len))
+        capacity = min(capacity, model_args(model).max_seq_len)
+        pool = kv_cache_tokens or PagedCache.default_tokens(slots, capacity, block)
+        self.cache = PagedCache(model, slots, capacity, pool, block)
+        # every slot fits at full capacity: no prompt waits for blocks, no row is preempted
+        self.roomy = self.cache.n_blocks >= slots * self.cache.blocks_for(capacity)
         self.top_k = min(cache_top_k, model_args(model).vocab_size)  # alternatives kept per prompt position
         self.prefix = PrefixCache(model, prefix_cache_tokens, self.top_k, block) if prefix_cache_tokens > 0 else None
         self.max_batched_tokens = max_batched_tokens or slots * self.cache.capacity
@@ -185,7 +72,7 @@ class Engine:
         self.pending: list[torch.Tensor] = []  # row i's log-probabilities for its next token
         self.queue: list[Prefill] = []  # admitted, prompt not computed yet; each holds a slot past the rows
         self.prefill = PrefillStats()
-        self.kv_peak_tokens = 0
+        self.kv_peak_tokens = self.kv_peak_blocks = self.preempted = 0
 
     @property
     def free(self) -> int:
@@ -202,12 +89,13 @@ class Engine:
 
     @property
     def kv_capacity(self) -> int:
-        return self.cache.slots * self.cache.capacity
+        return self.cache.tokens
 
     def stats(self) -> dict:
         """Counters for /metrics: prompt tokens admitted and computed, prefix-cache use, KV use."""
         out = {**vars(self.prefill), "kv_tokens": self.kv_tokens, "kv_peak_tokens": self.kv_peak_tokens,
-               "kv_capacity": self.kv_capacity,
+               "kv_capacity": self.kv_capacity, "kv_blocks": self.cache.n_blocks - self.cache.free_blocks,
+               "kv_peak_blocks": self.kv_peak_blocks, "kv_block": self.cache.block, "preempted": self.preempted,
                "running": len(self.rows), "prefilling": len(self.queue)}
         if self.prefix is not None:
             out["prefix_cache"] = self.prefix.stats()
@@ -224,6 +112,10 @@ class Engine:
         longest = max((len(s.prompt_ids) for s in seqs), default=0)
         if longest > self.cache.capacity:
             raise ValueError(f"a prompt of {longest} tokens exceeds the cache capacity {self.cache.capacity}")
+        longest = max((min(len(s.prompt_ids) + s.params.max_tokens, self.cache.capacity) for s in seqs), default=0)
+        if longest > self.cache.tokens:
+            raise ValueError(f"a sequence of {longest} tokens (prompt and max_tokens) exceeds the KV cache "
+                             f"of {self.cache.tokens} tokens")
         held = {p.slot for p in self.queue}
         free = (slot for slot in range(len(self.rows), self.cache.slots) if slot not in held)
         for s, slot in zip(seqs, free, strict=False):
@@ -255,11 +147,18 @@ class Engine:
         chosen: list[tuple[Prefill, int]] = []
         width = 0
         started = [p for p in self.queue if p.started]
+        blocked = False  # a prompt waits for blocks: so do the ones behind it
         for item in self.queue:
             if not item.started:
+                if blocked:
+                    continue
                 cached = item.lookup(self.prefix)
                 if self.prefix is not None and any(self._worth_waiting(item, p.shares(item) - cached, cached)
                                                    for p in started):
+                    continue
+                spare = 0 if item.resume is not None or self.roomy else len(self.rows)
+                if self.cache.blocks_for(len(item.ids)) + spare > self._available():
+                    blocked = True
                     continue
             c = min(item.remaining - (0 if item.started else item.reuse), budget)
             if (len(chosen) + 1) * max(width, c) > budget:
@@ -273,8 +172,13 @@ class Engine:
             width = max(width, c)
         return chosen
 
+    def _available(self) -> int:
+        """Free blocks not promised to the prompts prefilling (each gets all its blocks)."""
+        promised = sum(self.cache.blocks_for(len(p.ids)) - self.cache.held[p.slot] for p in self.queue if p.started)
+        return self.cache.free_blocks - promised
+
     def _worth_waiting(self, item: Prefill, gain: int, cached: int) -> bool:
-        return gain > 1 and (gain >= self.prefix.block or 2 * gain >= len(item.seq.prompt_ids) - cached)
+        return gain > 1 and (gain >= self.prefix.block or 2 * gain >= len(item.ids) - cached)
 
     def _forward(self, chosen: list[tuple[Prefill, int]]) -> list[Prefill]:
         """One forward of the chosen chunks; log-softmax only where a log-probability is needed.
@@ -282,7 +186,8 @@ class Engine:
         width = max(c for _, c in chosen)
         tokens = torch.zeros(len(chosen), width, dtype=torch.long)
         for i, (item, c) in enumerate(chosen):
-            tokens[i, :c] = torch.tensor(item.seq.prompt_ids[item.done:item.done + c])
+            tokens[i, :c] = torch.tensor(item.ids[item.done:item.done + c])
+            self.cache.grow(item.slot, item.done + c)
         view = self.cache.at([item.slot for item, _ in chosen])
         hidden = _hidden(self.model, tokens.to(self.device), view)
         view.advance(torch.tensor([c for _, c in chosen], device=self.device))
@@ -300,18 +205,22 @@ class Engine:
         complete = []
         for item, c in chosen:
             item.done += c
-            self.prefill.computed_tokens += c
-            if item.done == len(item.seq.prompt_ids):
+            if item.resume is None:
+                self.prefill.computed_tokens += c
+            else:
+                self.prefill.recomputed_tokens += c
+            if item.done == len(item.ids):
                 complete.append(item)
         return complete
 
     def _complete(self, item: Prefill) -> list[Sequence]:
         """A prompt fully computed: into the prefix cache, then its slot joins the running rows."""
         self.queue.remove(item)
-        if self.prefix is not None:
+        if self.prefix is not None and item.resume is None:
             splits = tuple(item.shares(p) for p in self.queue if not p.started)
             item.store(self.prefix, self.cache, splits)
-        item.finish_prompt(TokenInfo)
+        if item.resume is None:
+            item.finish_prompt(TokenInfo)
         target = len(self.rows)
         other = next((p for p in self.queue if p.slot == target), None)
         if other is not None:
@@ -320,9 +229,9 @@ class Engine:
         elif item.slot != target:
             self.cache.move(item.slot, target)
             self.cache.reset(item.slot)
-        self.rows.append(_Row(item.seq, self.eos_id, self.decode))
+        self.rows.append(item.resume or _Row(item.seq, self.eos_id, self.decode))
         self.pending.append(item.next_logp)
-        if item.seq.params.max_tokens <= 0:
+        if item.resume is None and item.seq.params.max_tokens <= 0:
             item.seq.finish_reason = "length"
             self._release([len(self.rows) - 1])
             return [item.seq]
@@ -334,6 +243,7 @@ class Engine:
         finished = [i for i, r in enumerate(self.rows) if r.push(self.pending[i])]
         done = [self.rows[i].seq for i in finished]
         self._release(finished)
+        self._grow_rows()
         if self.rows:
             view = self.cache.rows(0, len(self.rows))
             next_ids = torch.tensor([[r.seq.tokens[-1].id] for r in self.rows], device=self.device)
@@ -343,9 +253,28 @@ class Engine:
             self._note_kv()
         return done
 
+    def _grow_rows(self) -> None:
+        """A block for every row whose next position starts one; the last rows are preempted while
+        the free blocks (not promised to a prefill) do not suffice."""
+        cache = self.cache
+        while self.rows:
+            lengths = cache.lengths[:len(self.rows)].tolist()
+            need = [i for i, n in enumerate(lengths) if n >= cache.held[i] * cache.block]
+            if len(need) <= self._available():
+                for i in need:
+                    cache.grow(i, lengths[i] + 1)
+                return
+            last = len(self.rows) - 1  # its slot, once it leaves the rows, is the queue's
+            row = self.rows.pop()
+            self.pending.pop()
+            cache.reset(last)
+            self.queue.insert(0, Prefill(row.seq, last, resume=row))
+            self.preempted += 1
+
     def _note_kv(self) -> None:
         held = sum(len(r.seq.prompt_ids) + len(r.seq.tokens) for r in self.rows) + sum(p.done for p in self.queue)
         self.kv_peak_tokens = max(self.kv_peak_tokens, held)
+        self.kv_peak_blocks = max(self.kv_peak_blocks, self.cache.n_blocks - self.cache.free_blocks)
 
     def abort(self, seqs: list[Sequence]) -> list[Sequence]:
         """Let `seqs` go wherever they are (queued for prefill or running); returns those that were
@@ -376,7 +305,7 @@ class Engine:
         self.rows.clear()
         self.pending.clear()
         self.queue.clear()
-        self.cache.lengths.zero_()
+        self.cache.clear()
 
     def _release(self, rows: list[int]) -> None:
         """Free the slots of `rows`: the last running row moves into each freed slot, and a prompt

@@ -1,5 +1,9 @@
 """A key/value cache of per-sequence slots, for batched generation where sequences come and go.
 
+The engine uses the paged cache (inference/paged_kv.py), which gives the same numbers without
+reserving the whole context per sequence; this one stays as the simplest cache the model's
+interface takes and the reference the paged one is tested against.
+
 The cache holds `slots` rows of `capacity` positions per layer, allocated once. The running
 sequences occupy slots 0..n-1; a new one takes slot n and a finished one is replaced by the last
 (its keys and values move into the freed slot), so a decode step always reads one contiguous

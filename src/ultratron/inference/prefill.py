@@ -23,11 +23,18 @@ class PrefillStats:
     prompt_tokens: int = 0
     computed_tokens: int = 0
     cached_tokens: int = 0
+    recomputed_tokens: int = 0  # positions computed again for sequences preempted (paged KV cache full)
 
 
 class Prefill:
-    def __init__(self, seq, slot: int):
-        self.seq, self.slot = seq, slot
+    """A prompt to prefill; or, with `resume` (the sequence's row), a running sequence that was
+    preempted: its prompt and the tokens it generated are computed again, without echo, and the
+    row goes on sampling from the last position's distribution."""
+
+    def __init__(self, seq, slot: int, resume=None):
+        self.seq, self.slot, self.resume = seq, slot, resume
+        self.ids: list[int] = seq.prompt_ids if resume is None else seq.prompt_ids + seq.token_ids
+        self.echo = seq.params.echo and resume is None
         self.done = 0  # prompt positions in the slot (copied from the cache or computed)
         self.started = False
         self.chain: list = []  # the cached blocks found by the last lookup
@@ -39,24 +46,24 @@ class Prefill:
 
     @property
     def remaining(self) -> int:
-        return len(self.seq.prompt_ids) - self.done
+        return len(self.ids) - self.done
 
     def lookup(self, prefix: PrefixCache | None) -> int:
         """The length of the prompt's cached prefix. All but its last position will be copied: that
         one is computed again, since the distribution it gives is needed and not kept."""
-        self.chain = [] if prefix is None else prefix.match(self.seq.prompt_ids, logprobs=self.seq.params.echo)
+        self.chain = [] if prefix is None else prefix.match(self.ids, logprobs=self.echo)
         cached = sum(len(b.tokens) for b in self.chain)
-        self.reuse = min(cached, len(self.seq.prompt_ids)) - 1 if cached else 0
+        self.reuse = min(cached, len(self.ids)) - 1 if cached else 0
         return cached
 
     def shares(self, other: Prefill) -> int:
-        return common_prefix(self.seq.prompt_ids, other.seq.prompt_ids)
+        return common_prefix(self.ids, other.ids)
 
     def start(self, cache, prefix: PrefixCache | None, top_k: int, stats: PrefillStats) -> None:
         """Copy the cached prefix found by `lookup` into the slot; from here on the prompt is computed."""
-        n = len(self.seq.prompt_ids)
+        n = len(self.ids)
         self.started = True
-        if self.seq.params.echo:
+        if self.echo:
             self.infos = (torch.full((n,), math.nan), torch.zeros(n, top_k, dtype=torch.int32),
                           torch.zeros(n, top_k))
         if self.reuse:
@@ -71,6 +78,8 @@ class Prefill:
                     at += m
         self.done = self.reuse
         self.chain = []
+        if self.resume is not None:
+            return
         stats.prompts += 1
         stats.prompts_hit += bool(self.reuse)
         stats.prompt_tokens += n
@@ -79,16 +88,16 @@ class Prefill:
     def needed(self, c: int) -> range:
         """Which of the next `c` positions need their distribution: with echo all (each gives the next
         prompt token's log-probability); else only the prompt's last (the first generated token)."""
-        if self.seq.params.echo:
+        if self.echo:
             return range(c)
-        return range(c - 1, c) if self.done + c == len(self.seq.prompt_ids) else range(0)
+        return range(c - 1, c) if self.done + c == len(self.ids) else range(0)
 
     @staticmethod
     def record(owners: list[tuple[Prefill, int]], logp: torch.Tensor, top_k: int) -> None:
         """Distribute a forward's log-probabilities: row i of `logp` is the distribution after
         position p of owners[i] = (prefill, p)."""
         top = logp.topk(top_k) if any(item.infos is not None for item, _ in owners) else None
-        targets = torch.tensor([item.seq.prompt_ids[p + 1] if p + 1 < len(item.seq.prompt_ids) else 0
+        targets = torch.tensor([item.ids[p + 1] if p + 1 < len(item.ids) else 0
                                 for item, p in owners], device=logp.device)
         token_logp = logp.gather(1, targets[:, None])[:, 0].cpu()
         top_values, top_ids = (None, None) if top is None else (top.values.cpu(), top.indices.cpu())
@@ -98,7 +107,7 @@ class Prefill:
             j = i
             while j + 1 < len(owners) and owners[j + 1][0] is item:
                 j += 1
-            n = len(item.seq.prompt_ids)
+            n = len(item.ids)
             last = owners[j][1]
             if last == n - 1:
                 item.next_logp = logp[j].cpu()

@@ -22,26 +22,27 @@ from collections.abc import Callable
 
 from ultratron.errors import ConfigError
 from ultratron.inference.engine import Engine, Sequence
-from ultratron.inference.kv_cache import SlotCache
+from ultratron.inference.paged_kv import PagedCache
 from ultratron.models.registry import model_args
 from ultratron.serving.metrics import Metrics
 
 
-def check_kv_memory(model, slots: int, capacity: int, prefix_cache_bytes: int = 0) -> int:
-    """The bytes the KV-cache slots reserve; ConfigError when that and the prefix cache's budget
-    exceed 80 % of the device's memory (GPU: free memory; CPU: physical memory)."""
+def check_kv_memory(model, tokens: int, prefix_cache_bytes: int = 0, block: int = 16) -> int:
+    """The bytes the paged KV cache's pool of `tokens` positions takes; ConfigError when that and the
+    prefix cache's budget exceed 80 % of the device's memory (GPU: free memory; CPU: physical memory)."""
     import torch
 
-    need = SlotCache.bytes_needed(model, slots, capacity)
+    need = PagedCache.bytes_needed(model, tokens, block)
     device = next(model.parameters()).device
     if device.type == "cuda":
         have, where = torch.cuda.mem_get_info(device)[0], "free on the GPU"
     else:
         have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "of physical memory"
     if need + prefix_cache_bytes > 0.8 * have:
-        raise ConfigError(f"the KV cache of {slots} slots × {capacity} positions needs {need / 2**30:.1f} GiB "
+        raise ConfigError(f"the KV cache of {tokens} tokens needs {need / 2**30:.1f} GiB "
                           f"(+ {prefix_cache_bytes / 2**30:.1f} GiB of prefix cache), more than 80% of the "
-                          f"{have / 2**30:.1f} GiB {where}; lower --max-batch, --max-model-len, --prefix-cache-tokens")
+                          f"{have / 2**30:.1f} GiB {where}; lower --kv-cache-tokens (default: --max-batch × "
+                          f"--max-model-len), --prefix-cache-tokens")
     return need
 
 
@@ -63,11 +64,12 @@ class Batcher:
                  metrics: Metrics | None = None, **engine_options):
         context = model_args(model).max_seq_len
         capacity = min(capacity or context, context)
-        # engine_options: prefix_cache_tokens, cache_top_k, max_batched_tokens (see Engine)
+        # engine_options: prefix_cache_tokens, cache_top_k, max_batched_tokens, kv_cache_tokens (see Engine)
         self.engine = Engine(model, eos_id, decode, slots=max_rows, capacity=capacity, **engine_options)
-        prefix = self.engine.prefix
+        prefix, cache = self.engine.prefix, self.engine.cache
         self.prefix_cache_bytes = 0 if prefix is None else prefix.budget_bytes
-        self.kv_bytes = check_kv_memory(model, max_rows, capacity, self.prefix_cache_bytes)
+        self.kv_tokens = cache.tokens  # the pool's positions: no sequence longer than this is served
+        self.kv_bytes = check_kv_memory(model, cache.tokens, self.prefix_cache_bytes, cache.block)
         self.max_queue, self.continuous = max_queue, continuous
         self._cond = threading.Condition()
         self._waiting: deque[tuple[Sequence, _Job]] = deque()

@@ -127,7 +127,7 @@ def scrape(batcher) -> str:
               "running_sequences": (len(engine.rows), "sequences being generated"),
               "kv_cache_usage_ratio": (_ratio(stats, "kv_tokens", "kv_capacity"),
                                        "share of the KV cache's positions that hold a sequence's tokens"),
-              "kv_cache_bytes": (batcher.kv_bytes, "bytes the KV cache reserves"),
+              "kv_cache_bytes": (batcher.kv_bytes, "bytes of the paged KV cache's pool of blocks"),
               "prompt_tokens_computed_ratio": (
                   _ratio(stats, "computed_tokens", "prompt_tokens"),
                   "prompt tokens the model computed ÷ prompt tokens admitted (the rest came from the prefix cache)")}

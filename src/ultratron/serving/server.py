@@ -40,7 +40,7 @@ class ServerLimits:
     max_prompts: int = 64
     max_n: int = 8
     max_logprobs: int = 20
-    max_batch_rows: int = 32  # KV-cache slots: sequences generated together
+    max_batch_rows: int = 32  # sequences generated together
     max_queue: int = 256  # waiting sequences before requests get 429
     continuous: bool = True  # continuous batching; False: fixed groups (for comparison)
     max_model_len: int | None = None  # longest prompt + completion (default: the model's context)
@@ -48,6 +48,7 @@ class ServerLimits:
     health_timeout: float = 10.0  # seconds /health's one-token forward may take
     prefix_cache_tokens: int = 0  # prompt positions the prefix cache keeps (KV + logprobs); 0: off
     max_batched_tokens: int | None = None  # prompt tokens computed per engine iteration (None: no bound)
+    kv_cache_tokens: int | None = None  # positions of the paged KV cache (None: max_batch_rows × context)
 
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -70,7 +71,8 @@ class Server:
         self.batcher = Batcher(model, tokenizer.eos_id, tokenizer.decode, self.limits.max_batch_rows,
                                self.limits.max_queue, self.context, self.limits.continuous,
                                prefix_cache_tokens=self.limits.prefix_cache_tokens,
-                               cache_top_k=self.limits.max_logprobs, max_batched_tokens=self.limits.max_batched_tokens)
+                               cache_top_k=self.limits.max_logprobs, max_batched_tokens=self.limits.max_batched_tokens,
+                               kv_cache_tokens=self.limits.kv_cache_tokens)
 
     # ---- helpers ---------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -143,6 +145,13 @@ class Server:
                            f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the {what}, {max_tokens} "
                            f"in the completion). Please reduce the length.",
                            param="max_tokens" if n_prompt < self.context else what,
+                           code="context_length_exceeded")
+        held = min(n_prompt + max_tokens, self.context)
+        if held > self.batcher.kv_tokens:  # it could never get its blocks: refused, not queued for ever
+            raise APIError(400, f"This server's KV cache holds {self.batcher.kv_tokens} tokens. However, you "
+                           f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the {what}, {max_tokens} "
+                           f"in the completion). Please reduce the length.",
+                           param="max_tokens" if n_prompt < self.batcher.kv_tokens else what,
                            code="context_length_exceeded")
 
     def offsets(self, text: str, ids: list[int], from_string: bool) -> list[int]:
@@ -349,9 +358,10 @@ def create_app(server: Server) -> FastAPI:
         steering, constrain = server.steering(req), server.json_constraint(req)
         ids = server.tokenizer.encode(server.chat_prompt([m.model_dump() for m in req.messages]))
         requested = req.max_completion_tokens or req.max_tokens
-        if len(ids) >= server.context:
+        longest = min(server.context, server.batcher.kv_tokens)
+        if len(ids) >= longest:
             server.check_length(len(ids), requested or 1, "messages")
-        max_tokens = requested if requested is not None else server.context - len(ids)
+        max_tokens = requested if requested is not None else longest - len(ids)
         server.check_length(len(ids), max_tokens, "messages")
         seqs = [Sequence(ids, SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                              seed=None if req.seed is None else req.seed + k,

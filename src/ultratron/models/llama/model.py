@@ -289,7 +289,7 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, cache=None, positions: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (batch, seq) → logits (batch, seq, vocab), or the hidden states (`hidden_out`).
-        `cache` (inference only, e.g. `ultratron.inference.kv_cache.KVCache`) supplies each row's
+        `cache` (inference only, e.g. a view of `ultratron.inference.paged_kv.PagedCache`) supplies each row's
         positions and keeps keys/values;
         `positions` (seq,) are the tokens' positions when they are not 0, 1, ... (a shard of a longer
         sequence, as context parallelism hands each rank); `documents` (batch, seq) number the packed
