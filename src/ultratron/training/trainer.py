@@ -71,7 +71,8 @@ class Trainer:
         self.cfg, t = cfg, cfg.training
         self.start_memory: dict | None = None
         device = pick_device(t.device)
-        configure_host_allocator(device)  # on a CPU: large tensors mmapped, not fragmenting the heap
+        if cfg.layout.zero == 3:  # gathered block by block: on a CPU mmapped, not fragmenting the heap (its
+            configure_host_allocator(device)  # step-time cost, docs/performance.md, only where it buys memory)
         settle_precision(t, device)  # (auto: bf16 on a GPU, fp32 on a CPU)
         self.dims = topology(cfg.layout, cfg.parallel.collective_timeout)
         self.run_dir = Path(cfg.run.dir)
