@@ -88,12 +88,15 @@ def test_the_chunked_path_equals_the_dense_mask_forward_and_backward(case, monke
         assert _close(got, want)
 
 
-def test_queries_at_given_positions_as_a_kv_cache_asks():
-    """Fewer queries than keys (a prefill after a prefix, a decode step), each row at its own
-    positions, through a window: the chunked path and flex equal the dense mask."""
-    q, k, v = _qkv(q_len=5)
-    rows = torch.tensor([[3, 4, 5, 6, 7], [295, 296, 297, 298, 299]])
-    spec = MaskSpec(rows=rows, window=40)
+@pytest.mark.parametrize("q_len", [1, 5, 40])
+@pytest.mark.parametrize("documents", [False, True])
+def test_queries_at_given_positions_as_a_kv_cache_asks(q_len, documents):
+    """Fewer queries than keys (a decode step: `DECODE_QUERIES` or fewer, SDPA directly; a prefill after
+    a prefix: the chunks), each row at its own positions, through a window and documents: both paths
+    and flex equal the dense mask."""
+    q, k, v = _qkv(q_len=q_len)
+    rows = torch.stack([torch.arange(3, 3 + q_len), torch.arange(S - q_len, S)])
+    spec = MaskSpec(rows=rows, window=40, documents=_documents() if documents else None)
     with torch.no_grad():
         want = reference_attention(q, k, v, spec, H // KV)
         for got in (attend(q, k, v, spec, H // KV), flex.flex_attend(q, k, v, spec, H // KV)):

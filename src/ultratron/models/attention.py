@@ -20,6 +20,11 @@ k_len, head_dim) and a `MaskSpec` (`models/masks.py`; None: causal) and picks a 
                      grouped-query K/V repeated (SDPA's `enable_gqa` with a mask falls to its math
                      kernel). No S × S tensor exists at any time; the largest is QUERY_CHUNK × k_len.
                      Under torch.compile the chunks are fixed (no host reads) and plain SDPA.
+  decoding           without gradients, at most `DECODE_QUERIES` queries a row (a KV cache's new
+                     tokens): public SDPA with the boolean mask and `enable_gqa`, K/V read in place.
+                     Its scores are q_len × k_len a head, a few rows. Through the chunked path (its
+                     repeated K/V, float mask, autograd function) serve's tokens/s on a CPU with
+                     nothing shared was 0.84× the code before this backend; with this path 0.98×.
 
 On a CPU, bf16 attention runs in fp32: PyTorch's CPU flash-attention backward is ~2.7× slower in
 bf16 than in fp32 (62 vs 23 ms a call, measured on an AVX-512-BF16 machine without AMX), and fp32 is
@@ -46,6 +51,7 @@ from ultratron.models import flex
 from ultratron.models.masks import MaskSpec, allowed, key_span, query_positions
 
 QUERY_CHUNK = 1024  # queries per chunk of the masked SDPA path: its mask is QUERY_CHUNK × k_len at most
+DECODE_QUERIES = 16  # without gradients, up to this many queries a row take SDPA directly (the module docstring)
 CAUSAL = MaskSpec()
 
 
@@ -115,6 +121,9 @@ def chunked_attend(q, k, v, spec: MaskSpec, groups: int) -> torch.Tensor:
     """Masked attention a chunk of queries at a time (the module docstring's "sdpa with a mask")."""
     if torch.compiler.is_compiling() or q.device.type == "meta" or isinstance(q, FakeTensor):
         return _traced_chunks(q, k, v, spec, groups)  # (shapes without values: `simulate`)
+    if not spec.softcap and q.shape[2] <= DECODE_QUERIES and not torch.is_grad_enabled():
+        mask = allowed(spec, query_positions(spec, q.shape[2], q.device), torch.arange(k.shape[2], device=q.device))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
     if q.device.type == "cpu" and not spec.softcap:
         return _CpuChunks.apply(q, k, v, spec, groups)
     out = _empty_output(q)
