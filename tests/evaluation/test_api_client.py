@@ -88,3 +88,30 @@ def test_an_answer_that_is_not_json_and_a_closed_port_are_clear(server):
         with pytest.raises(APIError) as err:
             Client(closed, "key", max_retries=2).get("models")
     assert err.value.kind == "APIConnectionError" and waits == [0.5, 1.0]
+
+
+def test_a_pair_that_fits_by_its_bytes_costs_no_tokenize_call():
+    """EndpointBackend.loglikelihood asks /tokenize only for texts whose bytes do not show that they fit
+    (a token holds at least one byte): the short pair takes the probe call alone; the long one is
+    counted, and cut to the context as the local backend cuts it."""
+    from ultratron.evaluation import backends
+
+    backend = object.__new__(backends.EndpointBackend)
+    backend.concurrency, backend.prompts_per_request = 1, 8
+    asked = []
+
+    def tokenize(text):
+        asked.append(text)
+        return list(range(len(text))), 64  # a token a character, a 64-token context
+
+    backend._tokenize = tokenize
+    echoed = []
+    backend._echo = lambda texts: echoed.extend(texts) or [
+        {"text_offset": list(range(len(t))), "token_logprobs": [-1.0] * len(t),
+         "top_logprobs": [{c: -1.0} for c in t], "tokens": list(t)} for t in texts]
+    backend.loglikelihood([("short context ", "x")])
+    assert asked == ["x"]  # the probe only
+    long_context = "\n".join(f"line {i}" for i in range(20)) + "\n"
+    backend.loglikelihood([(long_context, "tail")])
+    assert len(asked) > 2 and all(len(t) <= 63 for t in echoed[1:])  # counted, and cut to fit
+    assert echoed[1].endswith("line 19\ntail")

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 from ultratron.errors import EndpointError
 
+TOKENS_WITHOUT_BYTES = 16  # a text of n bytes has at most n + this many tokens, under any tokenizer we know
+
 # torch, the checkpoint loader and the engine are imported where the local backend uses them: an
 # evaluation against an endpoint needs none of them (they are most of the command's start-up time)
 
@@ -237,9 +239,17 @@ class EndpointBackend:
     def loglikelihood(self, pairs: list[tuple[str, str]]) -> list[tuple[float, bool]]:
         probe = self._tokenize("x")
         if probe is not None:  # the server can count tokens: fit every pair into its context
-            count = lambda text: len(self._tokenize(text)[0])
+            limit = probe[1] - 1
+
+            def count(text: str) -> int:
+                """The text's tokens, or a bound that shows it fits without asking: a token holds at
+                least one byte, and `TOKENS_WITHOUT_BYTES` allows for markers (a SentencePiece
+                word start) that hold none."""
+                bound = len(text.encode("utf-8")) + TOKENS_WITHOUT_BYTES
+                return bound if bound <= limit else len(self._tokenize(text)[0])
+
             # each pair's /tokenize calls, `concurrency` pairs at a time (one by one they were most of the time)
-            pairs = self._map(lambda pair: (fit_context(pair[0], pair[1], count, probe[1] - 1), pair[1]), pairs)
+            pairs = self._map(lambda pair: (fit_context(pair[0], pair[1], count, limit), pair[1]), pairs)
         texts = [c + x for c, x in pairs]
         results = []
         for (context, _), text, lp in zip(pairs, texts, self._echo(texts), strict=True):
