@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
 import keyword
 import random
@@ -66,6 +67,14 @@ def _context(lines: list[str], i: int) -> str:
     return ("\n".join(lines[max(0, i - CONTEXT_LINES): i]) + "\n")[-CONTEXT_CHARS:]
 
 
+def _shares_names(names: set[str], context: str) -> bool:
+    """Whether at least NEXT_SHARED_NAMES of `names` are names of `context`; a name missing from its
+    text is missing from its names, so most lines are settled without finding the context's names."""
+    if sum(name in context for name in names) < NEXT_SHARED_NAMES:
+        return False
+    return len(names & _names(context)) >= NEXT_SHARED_NAMES
+
+
 def _code_line(line: str) -> bool:
     return 12 <= len(line.strip()) <= NEXT_MAX_CHARS and bool(_CODE_START.match(line))
 
@@ -83,20 +92,29 @@ def next_line_task(docs, rng: random.Random) -> Task:
             line_names[line] = _names(line)
         return line_names[line]
 
+    lengths = [sorted((len(ln), k) for k, ln in enumerate(pool)) for pool in pools]
+
+    def by_length(j: int, lo: int, hi: int) -> list[str]:
+        """Pool j's lines of lo..hi characters, in the pool's order."""
+        sizes = lengths[j]
+        found = sizes[bisect.bisect_left(sizes, (lo, -1)): bisect.bisect_right(sizes, (hi, len(sizes)))]
+        return [pools[j][k] for k in sorted(k for _, k in found)]
+
     examples = []
     for d, (_, text) in enumerate(docs):
         lines = text.splitlines()
         spots = [i for i in range(NEXT_CONTEXT_LINES, len(lines)) if _code_line(lines[i])
-                 and len(names_of(lines[i]) & _names(_next_context(lines, i))) >= NEXT_SHARED_NAMES]
+                 and _shares_names(names_of(lines[i]), _next_context(lines, i))]
         for i in rng.sample(spots, min(NEXT_PER_FILE, len(spots))):
             real, context = lines[i], _next_context(lines, i)
             seen = _names(context)
             others = [j for j in range(len(docs)) if j != d]
             rng.shuffle(others)
             distractors: list[str] = []
+            near = max(2, len(real) // 8)
             for j in others:  # one distractor per other file, so no single large file dominates
-                close = [ln for ln in pools[j] if abs(len(ln) - len(real)) <= max(2, len(real) // 8)
-                         and not names_of(ln) & seen and ln.strip() != real.strip() and ln not in distractors]
+                close = [ln for ln in by_length(j, len(real) - near, len(real) + near)
+                         if not names_of(ln) & seen and ln.strip() != real.strip() and ln not in distractors]
                 if close:
                     distractors.append(rng.choice(close))
                 if len(distractors) == 3:
