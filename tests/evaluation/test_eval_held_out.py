@@ -59,3 +59,29 @@ def test_the_suite_follows_the_run_and_a_run_that_held_out_nothing_is_refused(tm
     small, large = (builtin_suite(0.01)[0].examples, builtin_suite(0.2)[0].examples)
     assert 0 < len(small) < len(large)
     assert [t.name for t in resolve_tasks("builtin", 0.2)] == [t.name for t in resolve_tasks("builtin")]
+
+
+def test_an_endpoint_evaluation_takes_the_runs_split_and_the_trainer_passes_it(tmp_path, monkeypatch):
+    """Behind an endpoint the run's config is unknown: `--held-out-fraction` gives its split, and a run
+    on the built-in corpus that evaluates through an endpoint passes its own (periodic evaluation)."""
+    from ultratron.training import periodic_eval
+
+    class FakeChild:
+        pid = 0
+
+    fraction = 0.01
+    texts = _suite_texts(monkeypatch, ["--endpoint", "http://127.0.0.1:9/v1", "--model", "m",
+                                       "--held-out-fraction", str(fraction)])
+    held = {text[:1500] for doc_id, text in held_out_documents(0.05) if held_out(doc_id, fraction)}
+    assert texts and set(texts) <= held
+    assert main(["eval", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--held-out-fraction", "0",
+                 "--tasks", "builtin_bpb", "--quiet"]) == 2  # a run that held out nothing: refused, as a checkpoint
+    launched = []
+    monkeypatch.setattr(periodic_eval.subprocess, "Popen", lambda cmd, **kw: launched.append(cmd) or FakeChild())
+    for data, expected in (([], ["--held-out-fraction", str(fraction)]), (["--data.path", str(tmp_path)], None)):
+        cfg = load_config(None, TINY + data + ["--data.held_out_fraction", str(fraction),
+                                               "--eval.endpoint", "http://127.0.0.1:9/v1"])
+        periodic_eval.PeriodicEvaluator(cfg, tmp_path / "run", print)._launch(10, None, {}, None)
+        cmd = launched.pop()
+        flag = cmd[cmd.index("--held-out-fraction"):][:2] if "--held-out-fraction" in cmd else None
+        assert flag == expected  # only a run on the built-in corpus has a split of it to pass

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     if problems := choice_problems(s):
         raise ConfigError(problems)
     from ultratron.evaluation.backends import EndpointBackend, LocalBackend
-    from ultratron.evaluation.builtin import resolve_tasks, suite_fraction
+    from ultratron.evaluation.builtin import checked_fraction, resolve_tasks, suite_fraction
     from ultratron.evaluation.runner import evaluate, flat_metrics, format_table, write_json
 
     if s.threads > 0 and s.checkpoint:  # (an endpoint's evaluation computes nothing here: no torch)
@@ -37,8 +37,11 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(s.threads)
     backend = LocalBackend.from_checkpoint(s.checkpoint, s.device, s.checkpoint_endpoint) if s.checkpoint \
         else EndpointBackend.from_config(s)
-    # the built-in suite from the run's own held-out split (its config.toml), never its training files
-    tasks = resolve_tasks(s.tasks, suite_fraction(getattr(backend, "config", None)))
+    # the built-in suite from the run's own held-out split (its config.toml, or --held-out-fraction for
+    # a run behind an endpoint), never its training files
+    fraction = suite_fraction(getattr(backend, "config", None)) if s.held_out_fraction is None \
+        else checked_fraction(s.held_out_fraction)
+    tasks = resolve_tasks(s.tasks, fraction)
     results = evaluate(backend, tasks, s.max_examples or None, details=s.details)
     record = {"backend": backend.describe(), "step": s.step if s.step is not None else getattr(backend, "step", None),
               "tasks": results, "metrics": flat_metrics(results)}

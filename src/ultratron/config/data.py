@@ -51,3 +51,8 @@ class DataConfig:
     def masked_targets(self) -> bool:
         """Whether some targets may not count in the loss (chat's non-assistant turns, document ends)."""
         return self.format == "chat" or self.documents
+
+    @property
+    def builtin_corpus(self) -> bool:
+        """Whether the run trains on the built-in corpus (whose evaluation suite follows its split)."""
+        return self.path is None and not self.sources

@@ -23,6 +23,9 @@ class EvalSettings(EndpointConfig):
     threads: int = option(0, "torch threads (0: torch's default)")
     step: int | None = option(None, "training step to record (default: the checkpoint's)")
     quiet: bool = option(False, "print no table")
+    held_out_fraction: float | None = option(None, "the built-in suite comes from this held-out split of the built-in "
+                                                   "corpus: the data.held_out_fraction of the run evaluated (default: "
+                                                   "a checkpoint's own; 0.05 for an endpoint)", minimum=0)
 
 
 @dataclass

@@ -198,13 +198,17 @@ def suite_fraction(cfg=None) -> float:
     the split the run held out and never a file it trained on (a fixed 0.05 would evaluate a run
     holding out 0.01 on files it trained on); else (another corpus, or no config) `HELD_OUT_FRACTION`.
     A run on the built-in corpus that held out nothing has no file the suite may use: refused."""
-    data = getattr(cfg, "data", None)
-    if data is None or data.path is not None or data.sources:
+    if getattr(cfg, "data", None) is None or not cfg.data.builtin_corpus:
         return HELD_OUT_FRACTION
-    if data.held_out_fraction <= 0:
+    return checked_fraction(cfg.data.held_out_fraction)
+
+
+def checked_fraction(fraction: float) -> float:
+    """A run's held-out fraction of the built-in corpus, refused where it held out nothing."""
+    if fraction <= 0:
         raise TaskError("the run trained on every file of the built-in corpus (data.held_out_fraction = 0), so the "
                         "built-in suite has no file it was not trained on; evaluate it on task files instead")
-    return data.held_out_fraction
+    return fraction
 
 
 def example_texts(task: Task) -> list[str]:

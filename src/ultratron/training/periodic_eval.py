@@ -67,6 +67,8 @@ class PeriodicEvaluator:
         if e.endpoint:
             snap = None
             where = to_flags(settings_from(EndpointConfig, e))
+            if self.cfg.data.builtin_corpus:  # the suite from this run's held-out split, as a checkpoint's would be
+                where += ["--held-out-fraction", str(self.cfg.data.held_out_fraction)]
         else:
             # a weights-only checkpoint for the child: links to the files of `checkpoint` when it
             # holds this step's weights on local disk (nothing copied), else the live model written out
