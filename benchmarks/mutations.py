@@ -301,7 +301,7 @@ MUTATIONS = [
              ("tests/data/test_curation_decontaminate.py",)),
     Mutation("suite-fixed-fraction", f"{SRC}/evaluation/builtin.py",
              "the built-in suite's split fixed at 0.05 whatever the run held out",
-             "    return data.held_out_fraction\n", "    return HELD_OUT_FRACTION\n",
+             "    return checked_fraction(cfg.data.held_out_fraction)\n", "    return HELD_OUT_FRACTION\n",
              ("tests/evaluation/test_eval_held_out.py",)),
     Mutation("pii-private-ip", f"{SRC}/curation/stages/pii.py",
              "private and reserved IP addresses replaced too",
