@@ -308,9 +308,8 @@ class Engine:
         self.cache.clear()
 
     def _release(self, rows: list[int]) -> None:
-        """Free the slots of `rows`: the last running row moves into each freed slot, and a prompt
-        being prefilled in the slot past the new last row moves down (the slots past the rows
-        are the prefill queue's, anywhere)."""
+        """Free the slots of `rows`: the last running row (its KV and pending token) moves into each
+        freed slot, highest first, and the slot it leaves is reset, so the running rows stay 0..n-1."""
         for i in sorted(rows, reverse=True):
             last = len(self.rows) - 1
             self.cache.move(last, i)

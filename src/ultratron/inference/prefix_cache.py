@@ -106,10 +106,6 @@ class PrefixCache:
         for b in reversed(chain):  # the leaf first, so a parent is never less recent than its child
             self.lru.move_to_end(b.id)
 
-    def pin(self, chain: list[Block], delta: int = 1) -> None:
-        for b in chain:
-            b.pins += delta
-
     # ---- storing -------------------------------------------------------------------------------
     def store(self, tokens: list[int], read_kv, infos: tuple[torch.Tensor, ...] | None,
               splits: tuple[int, ...] = ()) -> int:
@@ -133,7 +129,8 @@ class PrefixCache:
                     self._put(chain[j - 1].id if j else ROOT, tokens, j * size, end, read_kv, infos)
             return stored
         finally:
-            self.pin(chain, -1)
+            for b in chain:  # the blocks this store held against eviction, let go
+                b.pins -= 1
 
     def _put(self, parent: int, tokens: list[int], a: int, b: int, read_kv, infos) -> Block | None:
         key = (parent, tuple(tokens[a:b]))
