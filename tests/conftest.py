@@ -96,7 +96,8 @@ class S3Server:
 
 @pytest.fixture
 def s3(monkeypatch):
-    """(the server, an s3fs filesystem on it); the bucket S3_BUCKET exists."""
+    """(the server, an s3fs filesystem on it); the bucket S3_BUCKET exists and is empty: moto keeps a
+    process's objects across servers, and two tests on one worker must not read each other's files."""
     for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(key, value)
@@ -107,6 +108,10 @@ def s3(monkeypatch):
     fs = s3fs.S3FileSystem(endpoint_url=server.endpoint)
     if not fs.exists(S3_BUCKET):
         fs.mkdir(S3_BUCKET)
+    left = fs.find(S3_BUCKET)
+    if left:
+        fs.rm(left)
+        fs.invalidate_cache()
     yield server, fs
     server.stop()
 
