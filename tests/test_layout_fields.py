@@ -23,9 +23,9 @@ from ultratron.planning.layout import Layout
 LAYOUT_FIELDS = ("dp", "dp_replicate", "zero", "tp", "sp", "pp", "pp_schedule", "pp_virtual_stages", "pp_split",
                  "pp_balance", "cp", "ep", "micro_batch_size", "grad_accum", "seq_len", "precision", "fp8_scaling",
                  "recompute", "compile", "loss_chunk",
-                 "offload_activations", "fp32_grad_accum", "attention_fp32", "backward_prefetch")
+                 "offload_activations", "fp32_grad_accum", "attention_fp32", "zero3_units")
 DERIVED_BY_THE_CONFIG = {"grad_accum"}  # from training.batch_tokens
-PLANNER_ONLY = {"fp32_grad_accum", "attention_fp32", "backward_prefetch"}  # (why: Layout's docstring)
+PLANNER_ONLY = {"fp32_grad_accum", "attention_fp32", "zero3_units"}  # (why: Layout's docstring)
 SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings", "rope_theta",
                 "max_seq_len", "head_dim", "qk_norm", "sliding_window", "sliding_window_pattern",
                 "n_experts", "n_active_experts", "n_shared_experts",

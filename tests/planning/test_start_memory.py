@@ -179,35 +179,66 @@ START_AT_SCALE = replace(PRESETS["llama3-1b"], n_layers=24, dim=2048, ffn_dim=56
                          vocab_size=4096, tie_embeddings=False, max_seq_len=2048, head_dim=None)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_without_backward_prefetch_zero3_gathers_one_block_at_a_time_not_two(precision):
-    """On a CPU the trainer turns FSDP2's backward prefetch off (parallel/data.py): a block's backward
-    holds that block gathered, not the next one too; the start has no gathered block either way."""
-    layout = Layout(dp=4, zero=3, seq_len=64, precision=precision)
+def _gpu_minus_cpu(precision: str) -> float:
+    """A block's backward on a GPU (two blocks gathered, one block's fp32 gradients reduce-scattered)
+    minus on a CPU (the largest linear layer, w1, 5632 × 2048, gathered and reduced), in bytes."""
     block = sum(prod(s) for s in layer_tensor_shapes(START_AT_SCALE, moe=False))  # elements, gathered whole
-    gathered = block * (4 if precision == "fp32" else 2)
+    unit = START_AT_SCALE.ffn_dim * START_AT_SCALE.dim
+    return (2 * block - unit) * (4 if precision == "fp32" else 2) + (block - unit) * 4
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_with_a_unit_per_linear_layer_zero3_gathers_the_largest_layer_not_two_blocks(precision):
+    """On a CPU the trainer makes each linear layer a ZeRO-3 unit with no backward prefetch
+    (parallel/data.py): a block's backward holds one layer's weight gathered, not that block and the
+    next; the start has no gathered block either way."""
+    layout = Layout(dp=4, zero=3, seq_len=64, precision=precision)
     for lora in (None, (8, ("q", "k", "v", "o", "gate", "up", "down"))):
         gpu = estimate_memory(START_AT_SCALE, layout, lora=lora)
-        cpu = estimate_memory(START_AT_SCALE, replace(layout, backward_prefetch=False), lora=lora)
-        assert gpu.transient - cpu.transient == pytest.approx(gathered, rel=1e-12)
+        cpu = estimate_memory(START_AT_SCALE, replace(layout, zero3_units="linear"), lora=lora)
+        assert gpu.transient - cpu.transient == pytest.approx(_gpu_minus_cpu(precision), rel=1e-12)
         if lora:  # (without it the optimizer step's temporaries are the peak)
             assert gpu.peak_moment == cpu.peak_moment == "backward"
-            assert gpu.peak_bytes - cpu.peak_bytes == pytest.approx(gathered, rel=1e-12)
+            assert gpu.peak_bytes - cpu.peak_bytes == pytest.approx(_gpu_minus_cpu(precision), rel=1e-12)
         assert (cpu.start_init_bytes, cpu.start_load_bytes) == (gpu.start_init_bytes, gpu.start_load_bytes)
-    for zero in (0, 2):  # no block is gathered just in time: the prefetch changes nothing
+    for zero in (0, 2):  # nothing is gathered just in time: the units change nothing
         on = estimate_memory(START_AT_SCALE, replace(layout, zero=zero))
-        assert estimate_memory(START_AT_SCALE, replace(layout, zero=zero, backward_prefetch=False)) == on
+        assert estimate_memory(START_AT_SCALE, replace(layout, zero=zero, zero3_units="linear")) == on
 
 
-def test_plan_memory_takes_no_backward_prefetch_as_a_flag(capsys):
+def test_a_small_block_stays_one_unit_on_a_cpu_without_the_prefetch():
+    """Below 64 MiB a block is one ZeRO-3 unit on a CPU too (its collectives would cost more than the
+    memory saved): one block gathered in backward instead of two, its gradients reduced whole."""
+    shape = PRESETS["tiny"]
+    block = sum(prod(s) for s in layer_tensor_shapes(shape, moe=False))
+    assert block * 4 < 64 * 2**20
+    layout = Layout(dp=4, zero=3, seq_len=64, precision="fp32")
+    gpu = estimate_memory(shape, layout, lora=(8, ("q", "v")))
+    cpu = estimate_memory(shape, replace(layout, zero3_units="linear"), lora=(8, ("q", "v")))
+    assert gpu.transient - cpu.transient == pytest.approx(block * 4, rel=1e-12)
+
+
+def test_per_linear_units_of_a_mixture_of_experts_gather_the_unsplit_experts_with_the_block():
+    """The grouped experts are no linear layer: unsplit, they stay in the block's own unit, which is
+    then the largest; split over ep they are outside ZeRO and the largest linear layer counts."""
+    from ultratron.planning.memory import _largest_unit, pipeline_ranks
+
+    shape = PRESETS["moe-tiny"]
+    (where,) = pipeline_ranks(shape, Layout(dp=2, zero=3))
+    experts = 3 * shape.n_experts * shape.expert_ffn_dim * shape.dim
+    assert _largest_unit(shape, where, 1, split_experts=False) >= experts
+    matrices = [prod(s) for s in layer_tensor_shapes(shape, moe=True) if len(s) == 2]  # every layer routes
+    assert _largest_unit(shape, where, 1, split_experts=True) == max(matrices)
+
+
+def test_plan_memory_takes_zero3_units_as_a_flag(capsys):
     flags = ["plan", "memory", "--n-layers", "24", "--dim", "2048", "--ffn-dim", "5632", "--n-heads", "16",
              "--n-kv-heads", "8", "--vocab-size", "4096", "--no-tie-embeddings", "--max-seq-len", "2048", "--dp", "4",
              "--zero", "3", "--seq", "64", "--precision", "fp32", "--lora-rank", "8", "--json"]
     peaks = {}
-    for prefetch in ("--backward-prefetch", "--no-backward-prefetch"):
-        assert main([*flags, prefetch]) == 0
+    for units in ("block", "linear"):
+        assert main([*flags, "--zero3-units", units]) == 0
         (layout,) = json.loads(capsys.readouterr().out)["layouts"]
-        assert layout["layout"]["backward_prefetch"] == (prefetch == "--backward-prefetch")
-        peaks[prefetch] = layout["peak_bytes"]
-    block = sum(prod(s) for s in layer_tensor_shapes(START_AT_SCALE, moe=False)) * 4  # fp32, gathered whole
-    assert peaks["--backward-prefetch"] - peaks["--no-backward-prefetch"] == pytest.approx(block, rel=1e-12)
+        assert layout["layout"]["zero3_units"] == units
+        peaks[units] = layout["peak_bytes"]
+    assert peaks["block"] - peaks["linear"] == pytest.approx(_gpu_minus_cpu("fp32"), rel=1e-12)

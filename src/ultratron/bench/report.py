@@ -56,8 +56,9 @@ def predict(sweep: Sweep, cell: Cell, result: dict, gpu: str) -> dict:
     m, par, t = cfg.model, cfg.parallel, cfg.training
     on_cpu = gpu == "cpu" or str(result.get("device", "")).startswith("cpu")
     # attention in fp32 for bf16 on a CPU, as the trainer runs it (its device, not a config field)
-    # and on a CPU ZeRO-3 without FSDP2's backward prefetch (parallel/data.py)
-    layout = replace(cfg.layout, attention_fp32=on_cpu and t.precision == "bf16", backward_prefetch=not on_cpu)
+    # and on a CPU ZeRO-3 gathering one linear layer at a time (parallel/data.py)
+    layout = replace(cfg.layout, attention_fp32=on_cpu and t.precision == "bf16",
+                     zero3_units="linear" if on_cpu else "block")
     fields = {"dp": par.dp, "tp": par.tp, "pp": par.pp, "zero": par.zero, "sp": par.sp, "mbs": t.micro_batch_size,
               "recompute": t.recompute}
     if check_layout(m, layout):

@@ -300,7 +300,7 @@ def run_memory(args) -> int:
                    f" GiB (in comm_buffers)") if experts else ""
             print(f"#{i + 1}: {lay.describe()} seq={lay.seq_len} {lay.precision}"
                   f"{' fp32-grad-accum' if lay.fp32_grad_accum else ''}"
-                  f"{' no-backward-prefetch' if not lay.backward_prefetch and lay.zero == 3 else ''}{moe}")
+                  f"{' zero3-units=linear' if lay.zero3_units == 'linear' and lay.zero == 3 else ''}{moe}")
             print(f"    {start_line(lay, m)}")
     if args.chart:
         labels = varying_labels([lay for lay, _ in results])

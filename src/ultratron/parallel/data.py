@@ -47,12 +47,14 @@ from torch.nn.parallel import DistributedDataParallel
 from ultratron.models.plan import ParallelPlan
 from ultratron.parallel.axis import Axis
 from ultratron.parallel.dims import ParallelDims
+from ultratron.planning.rules import gathers_per_linear
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, plan: ParallelPlan,
                roots: list[nn.Module] | None = None, ignored: set | None = None) -> nn.Module:
     """Shard each transformer block, then the root (which holds the embedding, the final norm and the
     output head: with tied embeddings these share one parameter, so they must stay in one group).
+    ZeRO-3 under gloo makes each linear layer of a large block a unit of its own (`prefetches_in_backward`).
     Under pipeline parallelism each stage module is a root (`roots`). `ignored`: parameters another
     axis reduces (split experts)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -63,7 +65,13 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, plan: Paral
     mesh = dims.dp_mesh
     ignored = ignored or None
     sharded = []
+    on_cpu = reshard and not prefetches_in_backward()
     for block in plan.blocks(model).values():
+        if on_cpu and gathers_per_linear(_local_bytes(block, ignored or ())):
+            # each linear layer its own unit, then the block's rest (norms, grouped experts)
+            for sub in block.modules():
+                if isinstance(sub, nn.Linear) and not (ignored and any(p in ignored for p in sub.parameters())):
+                    sharded.append(fully_shard(sub, mesh=mesh, reshard_after_forward=True, mp_policy=mp))
         sharded.append(fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
                                    ignored_params=ignored))
     # The root's parameters are the first used in backward's end; keeping them gathered avoids an
@@ -80,12 +88,23 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, plan: Paral
     return model
 
 
+def _local_bytes(module: nn.Module, ignored) -> int:
+    """The bytes of a module's parameters that ZeRO shards on this rank (a tensor-parallel shard's, not
+    the whole; none of `ignored`)."""
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p
+    return sum(local(p).numel() * p.element_size() for p in module.parameters() if p not in ignored)
+
+
 def prefetches_in_backward() -> bool:
-    """Whether ZeRO-3 lets FSDP2 gather the next block while a block runs backward (its default).
-    Not under gloo, where the collectives run on the same CPU cores as the compute, so the overlap
-    buys little, while the prefetched block and its all-gather buffer are a second gathered block
-    held at once (`planning/memory.py` counts one on a CPU, `Layout.backward_prefetch`). Values do
-    not change, only when the gather happens."""
+    """Whether ZeRO-3 gathers whole blocks and lets FSDP2 gather the next while a block runs backward
+    (its default). Not under gloo, where the collectives run on the same CPU cores as the compute, so
+    the overlap buys little, while the prefetched block is a second gathered block held at once; there
+    each linear layer of a large block is a unit of its own, gathered alone (`rules.gathers_per_linear`:
+    from 64 MiB; smaller blocks stay whole, as each unit costs its own collectives). Gloo's all-gather
+    holds its output and the unsharded parameters at once, two copies of a unit: for a 47M-parameter
+    block in fp32 (the 4.6 GB model of benchmarks/start_at_scale.py) 0.38 GB with a block a unit,
+    0.09 GB with its largest linear layer. `planning/memory.py` counts either (`Layout.zero3_units`). Values do not
+    change, only what is gathered when (more, smaller collectives)."""
     return dist.get_backend() != "gloo"
 
 

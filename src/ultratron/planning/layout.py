@@ -33,6 +33,7 @@ from ultratron.planning.rules import (
 )
 
 PRECISIONS = ("bf16", "fp32", "fp8")
+ZERO3_UNITS = ("block", "linear")
 FP8_SCALINGS = ("tensorwise", "rowwise")
 # Where each layout field lives in the trainer's config; `grad_accum` lives in neither (the config
 # derives it from training.batch_tokens), nor do the planner's own two fields (see `Layout`).
@@ -50,7 +51,7 @@ class Layout:
     The defaults are the planner's (a bf16 run at scale); the trainer's config replaces those of
     the step fields with its own (a CPU demo). The last three fields are inputs of the planner only,
     which is why the config has none of them: `fp32_grad_accum` prices another framework's convention
-    (the trainer has one: its own), and `attention_fp32` and `backward_prefetch` are how the trainer
+    (the trainer has one: its own), and `attention_fp32` and `zero3_units` are how the trainer
     runs bf16 on a CPU and ZeRO-3 on a CPU's gloo, which it decides from the device, not from a
     setting."""
 
@@ -106,10 +107,14 @@ class Layout:
     # like Megatron's --attention-softmax-in-fp32; ultratron does this for bf16 on CPU
     # (models.llama.model.sdpa_attention)
     attention_fp32: bool = option(False, "attention computed in fp32 under bf16 (as ultratron does on a CPU)")
-    # ultratron turns FSDP2's backward prefetch off under gloo (parallel.data.prefetches_in_backward)
-    backward_prefetch: bool = option(True, "ZeRO-3: FSDP2 gathers the next block while a block runs backward, two "
-                                           "blocks gathered at once (as on a GPU); off: one (as ultratron runs on "
-                                           "CPUs, where the collectives share the compute's cores)")
+    # ultratron gathers per linear layer under gloo (parallel.data.prefetches_in_backward)
+    zero3_units: str = option("block", "ZeRO-3's FSDP2 units: block (each transformer block one unit, the next "
+                                       "gathered while a block runs backward: two blocks gathered at once, as on "
+                                       "a GPU) or linear (each linear layer of a block of 64 MiB or more its own "
+                                       "unit, nothing prefetched: one layer's weight gathered at a time, as "
+                                       "ultratron runs on CPUs, where the collectives share the compute's cores; "
+                                       "a smaller block one unit)",
+                              choices=ZERO3_UNITS)
 
     @property
     def n_gpus(self) -> int:

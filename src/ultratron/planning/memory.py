@@ -13,14 +13,15 @@ following what `parallel/data.py` does for the layout (`rules.data_parallel_wrap
   sharded fp32 gradients 4/N, moments 8/N; ZeRO-2 keeps each weight gathered in the compute
   dtype (2 in bf16, 4 in fp32; 1 under fp8: the fp8 weight copies `parallel/float8.py` all-gathers)
   from forward through backward, ZeRO-3 only the root (comm_buffers: embedding, final norm, head)
-  and, during a block's backward, two blocks (the next one prefetched; one where
-  `backward_prefetch` is off, as the trainer runs on a CPU), one block's gradients reduce-scattered
-  in fp32 (in its transient; at the loss's backward and the optimizer step no block is gathered). With more
-  than one micro-batch a step (or under pp) ZeRO-2 reduces gradients only on the last one, so FSDP2
-  accumulates the unsharded gradients in fp32 until then (grad_accum_buffer, 4; measured by
-  `ultratron simulate`); ZeRO-3 reduce-scatters every micro-batch's and its sharded gradients add
-  up (alive from the second micro-batch's backward) but under pp, where torch's stages reduce once
-  after the schedule and keep ZeRO-3's parameters gathered as well.
+  and, during a block's backward, two blocks (the next one prefetched; where `zero3_units` is
+  linear, as the trainer runs on a CPU, its largest linear layer alone), one block's (one unit's)
+  gradients reduce-scattered in fp32 (in its transient; at the loss's backward and the optimizer
+  step no block is gathered). With more than one micro-batch a step (or under pp) ZeRO-2 reduces
+  gradients only on the last one, so FSDP2 accumulates the unsharded gradients in fp32 until then
+  (grad_accum_buffer, 4; measured by `ultratron simulate`); ZeRO-3 reduce-scatters every
+  micro-batch's and its sharded gradients add up (alive from the second micro-batch's backward)
+  but under pp, where torch's stages reduce once after the schedule and keep ZeRO-3's parameters
+  gathered as well.
   `fp32_grad_accum` prices the Megatron-LM convention instead (its README's table, "bf16 param,
   fp32 grads": 18 bytes, 6 + 12/d with the distributed optimizer): bf16 weights 2, fp32 main
   gradients 4 (the bf16 gradient is not kept), fp32 master 4 and moments 8; ZeRO-1 shards master
@@ -78,6 +79,7 @@ own buffers (NCCL_BUFFSIZE, 4 MiB per channel and peer by default) and allocator
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from math import prod
 
 from ultratron.errors import UserError
 from ultratron.models.init_blocks import block_elements
@@ -99,7 +101,7 @@ from ultratron.planning.layout import Layout, check_layout
 from ultratron.planning.lora import adapter_params_per_layer
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import peak_in_flight, rank_stages, stage_ranks, stage_split
-from ultratron.planning.rules import field_of, head_dim_of, reduces_every_micro_batch
+from ultratron.planning.rules import field_of, gathers_per_linear, head_dim_of, reduces_every_micro_batch
 from ultratron.planning.start import held_tensor_shapes, layer_tensor_shapes, rope_table_bytes, stored_chunk_elements
 
 __all__ = ["ACTIVATION_MODELS", "RECOMPUTE", "GiB", "MemoryBreakdown", "estimate_memory", "estimate_memory_per_rank",
@@ -160,6 +162,20 @@ def _layer_params(shape, t: int) -> float:
     weights stay whole)."""
     norms = 2 * shape.dim + (2 * _head_dim(shape) if getattr(shape, "qk_norm", False) else 0)
     return (count_params_of(shape).mean_layer - routed_expert_params_per_layer(shape) - norms) / t + norms
+
+
+def _largest_unit(shape, where: PipelineRank, t: int, split_experts: bool) -> float:
+    """ZeRO-3 with each linear layer its own FSDP2 unit: the most parameters gathered at once on the
+    rank, its largest linear layer's weight (tp shards it) or a block's rest (norms, and its routed
+    experts while they are not split)."""
+    moe_layers = sum(where.layers) - where.dense_layers if is_moe(shape) else 0
+    kinds = ([False] if sum(where.layers) > moe_layers else []) + ([True] if moe_layers else [])
+    largest = 0.0
+    for moe in kinds:
+        shapes = layer_tensor_shapes(shape, moe)
+        rest = sum(prod(s) for s in shapes if len(s) == 1 or (len(s) == 3 and not split_experts))
+        largest = max(largest, rest, *(prod(s) / t for s in shapes if len(s) == 2))
+    return largest
 
 
 def _split_expert_params(shape, layout: Layout, where: PipelineRank) -> float:
@@ -289,12 +305,15 @@ def _rank_memory(shape, layout: Layout, where: PipelineRank, model: str, lora: t
     if st.gathered_blocks:
         # a block's sharded parameters: its routed experts too while they are not split
         layer_params = _layer_params(shape, t) + (0.0 if experts else routed_expert_params_per_layer(shape))
-        # at a block's backward: it and the next (FSDP2's backward prefetch) gathered — only itself where
-        # the prefetch is off (`backward_prefetch`: the trainer on a CPU, parallel/data.py) — and one
-        # block's fp32 gradients reduce-scattered; none at the loss's backward (the last block resharded
-        # after forward) nor at the optimizer step
-        gathered_blocks = 2 if layout.backward_prefetch else 1
-        block_comm = gathered_blocks * layer_params * layout.gathered_bytes + layer_params * 4
+        # at a block's backward: it and the next (FSDP2's backward prefetch) gathered, and one block's
+        # fp32 gradients reduce-scattered — where each linear layer is a unit (`zero3_units`: the
+        # trainer on a CPU, parallel/data.py), one unit gathered and reduced; none at the loss's
+        # backward (the last block resharded after forward) nor at the optimizer step
+        gathered, reduced = 2 * layer_params, layer_params
+        if layout.zero3_units == "linear":  # (a small block stays whole, without the prefetch)
+            gathered = reduced = (_largest_unit(shape, where, t, split_experts=bool(experts))
+                                  if gathers_per_linear(layer_params * 4) else layer_params)
+        block_comm = gathered * layout.gathered_bytes + reduced * 4
         # the root (embedding, final norm, head) stays gathered through the step (parallel/data.py)
         comm += p * (sharded - sum(where.layers) * layer_params)
     # Backward's transients on top of forward's leftovers: the loss's gradients on the last stage,

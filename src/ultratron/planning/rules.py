@@ -87,6 +87,18 @@ def data_parallel_wrapper(dp: int, zero: int, tp: int = 1, pp: int = 1, dp_repli
     return "replicate" if pp > 1 else "ddp"
 
 
+# ZeRO-3 under gloo (a CPU): a block whose parameters hold this many bytes or more on a rank (fp32,
+# after tp) is gathered one linear layer at a time. Each unit costs its own collectives: at dp 4 on
+# 2 cores, split, the tiny preset's 3 MB blocks took 2.2x the step time, the 189 MB blocks of
+# benchmarks/start_at_scale.py 1.03x (docs/performance.md, "Host memory on a CPU").
+PER_LINEAR_FROM_BYTES = 64 * 2**20
+
+
+def gathers_per_linear(block_bytes: float) -> bool:
+    """Whether ZeRO-3 on a CPU makes each linear layer of a block of `block_bytes` its own unit."""
+    return block_bytes >= PER_LINEAR_FROM_BYTES
+
+
 def reduces_every_micro_batch(layout) -> bool:
     """ZeRO-3 without pp reduce-scatters each micro-batch's gradients and adds up the shards
     (`parallel/data.py`, `DataAxis.micro_batch_context`); every other data-parallel layout reduces
