@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import bisect
 import functools
+import hashlib
+import json
 import keyword
+import os
 import random
 import re
+import sys
 from pathlib import Path
 
+from ultratron.atomic import write_text
 from ultratron.data.sources import BUILTIN_EXCLUDED_DIRS, builtin_corpus_root, held_out, walk_files
 from ultratron.errors import TaskError
 from ultratron.evaluation.tasks import ChoiceExample, GenerationExample, Task, TextExample, load_task_file
@@ -173,6 +178,36 @@ def _held_out(fraction: float) -> list[tuple[str, str]]:
     return held_out_documents(fraction)
 
 
+def task_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ultratron" / "tasks"
+
+
+def _cached(name: str, fraction: float, make) -> Task:
+    """A multiple-choice task made by `make(docs)` from the held-out documents, or as it was made
+    before: a search over every held-out line (~0.16 s for next_line, most of `eval --endpoint`'s
+    fixed cost) is kept in `task_cache_dir()` under a hash of everything it depends on — this
+    module's source, the documents' names and texts, the fraction, Python's version (its `random`)
+    — so a change to any of them makes it anew. A cache that cannot be written is skipped."""
+    docs = _held_out(fraction)
+    key = hashlib.sha256(Path(__file__).read_bytes())
+    key.update(f"{name}|{fraction!r}|{sys.version_info[:2]}".encode())
+    for doc_id, text in docs:
+        key.update(f"{len(doc_id)}:{doc_id}{len(text)}:".encode() + text.encode("utf-8", "surrogatepass"))
+    path = task_cache_dir() / f"{name}-{key.hexdigest()[:24]}.json"
+    try:
+        kind, rows = json.loads(path.read_text(encoding="utf-8"))
+        return Task(name, kind, [ChoiceExample(*row) for row in rows])
+    except (OSError, ValueError, TypeError):  # not there (or not readable as one): made, then kept
+        pass
+    task = make(docs)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, json.dumps([task.kind, [[e.context, e.choices, e.answer, e.suffix] for e in task.examples]]))
+    except OSError:
+        pass
+    return task
+
+
 @functools.lru_cache(maxsize=8)
 def builtin_task(name: str, fraction: float = HELD_OUT_FRACTION) -> Task:
     """One task of the suite, made alone: each has its own seeded generator, so it is the same task
@@ -180,9 +215,9 @@ def builtin_task(name: str, fraction: float = HELD_OUT_FRACTION) -> Task:
     if name == "builtin_bpb":
         return Task("builtin_bpb", "text", [TextExample(text[:1500]) for _, text in _held_out(fraction)[:PER_TASK]])
     if name == "builtin_next_line":
-        return next_line_task(_held_out(fraction), random.Random(1))
+        return _cached(name, fraction, lambda docs: next_line_task(docs, random.Random(1)))
     if name == "builtin_identifier_cloze":
-        return identifier_cloze_task(_held_out(fraction), random.Random(2))
+        return _cached(name, fraction, lambda docs: identifier_cloze_task(docs, random.Random(2)))
     if name == "builtin_arithmetic":
         return arithmetic_task(random.Random(3))
     raise TaskError(f"unknown built-in task {name!r}: one of {', '.join(BUILTIN_TASKS)}")

@@ -131,4 +131,11 @@ class Prefill:
             token_info(ids[t], lps[t], list(zip(*tops[t], strict=True)) if tops else None) for t in range(1, len(ids))]
 
     def store(self, prefix: PrefixCache, cache, splits: tuple[int, ...]) -> None:
-        prefix.store(self.seq.prompt_ids, lambda a, b: cache.read(self.slot, a, b), self.infos, splits)
+        whole = []  # the prompt's keys/values gathered from the pool once, at the first new block
+
+        def read(a: int, b: int) -> torch.Tensor:
+            if not whole:
+                whole.append(cache.read(self.slot, 0, len(self.seq.prompt_ids)))
+            return whole[0][:, :, :, a:b].clone()  # (its own storage: a block may outlive the others)
+
+        prefix.store(self.seq.prompt_ids, read, self.infos, splits)

@@ -35,6 +35,8 @@ def usage(prompt_tokens: int, seqs: list[Sequence]) -> dict:
 
 
 def response(rid, obj, created, model, choices, prompts, seqs) -> dict:
+    """A completion's or chat completion's body, of JSON's own types only: the server answers it with
+    `JSONResponse` as it is, without FastAPI's `jsonable_encoder`, which walks every echoed token."""
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
             "usage": usage(sum(len(ids) for ids, _ in prompts), seqs)}
 

@@ -68,6 +68,7 @@ class Server:
         self.created = int(time.time())
         self._probe: asyncio.Future | None = None
         self._json_vocab = None  # built at the first JSON-mode request
+        self._token_texts: dict[int, str] = {}
         self.batcher = Batcher(model, tokenizer.eos_id, tokenizer.decode, self.limits.max_batch_rows,
                                self.limits.max_queue, self.context, self.limits.continuous,
                                prefix_cache_tokens=self.limits.prefix_cache_tokens,
@@ -81,7 +82,12 @@ class Server:
                            param="model", code="model_not_found")
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """A token's own text, decoded once (an echoed prompt's logprobs name every token, and its
+        top alternatives, in every answer)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def prompts_as_ids(self, prompt) -> list[tuple[list[int], str]]:
         """Each prompt as (token ids, text)."""
@@ -343,7 +349,7 @@ def create_app(server: Server) -> FastAPI:
                 logprobs = completion_logprobs(server.token_text, infos, offsets)
             choices.append({"index": index, "text": prefix + seq.text, "logprobs": logprobs,
                             "finish_reason": seq.finish_reason})
-        return response(rid, "text_completion", created, req.model, choices, prompts, seqs)
+        return JSONResponse(response(rid, "text_completion", created, req.model, choices, prompts, seqs))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
@@ -377,7 +383,7 @@ def create_app(server: Server) -> FastAPI:
         choices = [{"index": i, "message": {"role": "assistant", "content": s.text},
                     "logprobs": chat_logprobs(server.token_text, s.tokens) if req.logprobs else None,
                     "finish_reason": s.finish_reason} for i, s in enumerate(seqs)]
-        return response(rid, "chat.completion", created, req.model, choices, [(ids, "")], seqs)
+        return JSONResponse(response(rid, "chat.completion", created, req.model, choices, [(ids, "")], seqs))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -428,6 +434,14 @@ def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
 
 
 def serve(server: Server, sock: socket.socket, log_level: str = "warning") -> None:
+    import gc
+
     import uvicorn
 
-    uvicorn.Server(uvicorn.Config(create_app(server), log_level=log_level)).run(sockets=[sock])
+    app = create_app(server)
+    # What exists now (the model's modules, torch, FastAPI) lives as long as the server: out of the
+    # collector's sight, a full collection walks only what requests make, not ~10^5 objects more
+    # (one of the kind stopped an echoed prompt's scoring for ~0.14 s in a 1.9 s evaluation).
+    gc.collect()
+    gc.freeze()
+    uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
