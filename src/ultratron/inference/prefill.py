@@ -38,6 +38,7 @@ class Prefill:
         self.done = 0  # prompt positions in the slot (copied from the cache or computed)
         self.started = False
         self.chain: list = []  # the cached blocks found by the last lookup
+        self._looked_up: int | None = None  # the prefix cache's version at that lookup
         self.reuse = 0  # positions to copy from them
         # echo: per prompt position, its token's log-probability (nan for the first) and the top
         # alternatives of the distribution it came from
@@ -50,8 +51,12 @@ class Prefill:
 
     def lookup(self, prefix: PrefixCache | None) -> int:
         """The length of the prompt's cached prefix. All but its last position will be copied: that
-        one is computed again, since the distribution it gives is needed and not kept."""
+        one is computed again, since the distribution it gives is needed and not kept. A prompt
+        that waits is looked up again only once the cache has changed (`PrefixCache.version`)."""
+        if prefix is not None and self._looked_up == prefix.version:
+            return sum(len(b.tokens) for b in self.chain)
         self.chain = [] if prefix is None else prefix.match(self.ids, logprobs=self.echo)
+        self._looked_up = None if prefix is None else prefix.version
         cached = sum(len(b.tokens) for b in self.chain)
         self.reuse = min(cached, len(self.ids)) - 1 if cached else 0
         return cached
@@ -131,11 +136,16 @@ class Prefill:
             token_info(ids[t], lps[t], list(zip(*tops[t], strict=True)) if tops else None) for t in range(1, len(ids))]
 
     def store(self, prefix: PrefixCache, cache, splits: tuple[int, ...]) -> None:
-        whole = []  # the prompt's keys/values gathered from the pool once, at the first new block
+        # the keys/values from the first new block to the prompt's end, gathered from the pool once
+        # (new full blocks come in order; a tail stored at a split before them is read alone)
+        tail: list = []
 
         def read(a: int, b: int) -> torch.Tensor:
-            if not whole:
-                whole.append(cache.read(self.slot, 0, len(self.seq.prompt_ids)))
-            return whole[0][:, :, :, a:b].clone()  # (its own storage: a block may outlive the others)
+            if not tail:
+                tail.extend((a, cache.read(self.slot, a, len(self.seq.prompt_ids))))
+            start, kv = tail
+            if a < start:
+                return cache.read(self.slot, a, b)
+            return kv[:, :, :, a - start:b - start].clone()  # (its own storage: a block may outlive the rest)
 
         prefix.store(self.seq.prompt_ids, read, self.infos, splits)

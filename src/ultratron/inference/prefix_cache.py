@@ -76,6 +76,7 @@ class PrefixCache:
         self.bytes = self.tokens = 0
         self._ids = itertools.count(ROOT + 1)
         self.evicted = self.lookups = self.hit_lookups = 0
+        self.version = 0  # changes whenever a block is added, upgraded or evicted: a match may differ
 
     def nbytes(self, b: Block) -> int:
         n = len(b.tokens)
@@ -144,6 +145,7 @@ class PrefixCache:
                 if room:
                     block.logprob, block.top_ids, block.top_values = (t[a:b].clone() for t in infos)
                     self.bytes += extra
+                    self.version += 1
             self.lru.move_to_end(block.id)
             return block
         block = Block(next(self._ids), key, torch.empty(0))
@@ -154,6 +156,7 @@ class PrefixCache:
             return None
         block.kv = read_kv(a, b)
         self.blocks[key] = block
+        self.version += 1
         self.lru[block.id] = block
         self.bytes += need
         self.tokens += b - a
@@ -173,6 +176,7 @@ class PrefixCache:
 
     def _evict(self, b: Block) -> None:
         del self.blocks[b.key]
+        self.version += 1
         del self.lru[b.id]
         self.bytes -= self.nbytes(b)
         self.tokens -= len(b.tokens)
@@ -186,6 +190,7 @@ class PrefixCache:
         self.blocks.clear()
         self.lru.clear()
         self.bytes = self.tokens = 0
+        self.version += 1
 
     def stats(self) -> dict:
         """Counters (safe to read from another thread while the engine runs)."""

@@ -161,9 +161,14 @@ class Server:
                            code="context_length_exceeded")
 
     def offsets(self, text: str, ids: list[int], from_string: bool) -> list[int]:
-        """Character offset of each token in `text`."""
-        if from_string:
-            return [start for start, _ in self.tokenizer.hf.encode(text, add_special_tokens=False).offsets]
+        """Character offset of each token in `text`: where the tokenizer puts it when it encodes the
+        text. A prompt of token ids (`text` its decoding) that encodes back to the same ids gets the
+        same offsets as that text would (a token that starts inside a character points at the
+        character); one that does not, the length of each prefix's decoding — a decoding per
+        token, which for lm-eval's ~1,000-token prompts cost more than scoring them."""
+        encoded = self.tokenizer.hf.encode(text, add_special_tokens=False)
+        if from_string or encoded.ids == ids:
+            return [start for start, _ in encoded.offsets]
         return [len(self.tokenizer.decode(ids[:i])) for i in range(len(ids))]
 
     def submit(self, seqs: list[Sequence], done):
