@@ -161,11 +161,9 @@ class Server:
                            code="context_length_exceeded")
 
     def offsets(self, text: str, ids: list[int], from_string: bool) -> list[int]:
-        """Character offset of each token in `text`: where the tokenizer puts it when it encodes the
-        text. A prompt of token ids (`text` its decoding) that encodes back to the same ids gets the
-        same offsets as that text would (a token that starts inside a character points at the
-        character); one that does not, the length of each prefix's decoding — a decoding per
-        token, which for lm-eval's ~1,000-token prompts cost more than scoring them."""
+        """Character offset of each token in `text`, as encoding the text places it; token ids (`text`
+        their decoding) that do not encode back to themselves: each prefix's decoded length (a
+        decoding per token, which cost more than scoring lm-eval's long prompts)."""
         encoded = self.tokenizer.hf.encode(text, add_special_tokens=False)
         if from_string or encoded.ids == ids:
             return [start for start, _ in encoded.offsets]
@@ -444,9 +442,8 @@ def serve(server: Server, sock: socket.socket, log_level: str = "warning") -> No
     import uvicorn
 
     app = create_app(server)
-    # What exists now (the model's modules, torch, FastAPI) lives as long as the server: out of the
-    # collector's sight, a full collection walks only what requests make, not ~10^5 objects more
-    # (one of the kind stopped an echoed prompt's scoring for ~0.14 s in a 1.9 s evaluation).
+    # What exists now lives as long as the server: frozen, a full collection walks only what requests
+    # make, not ~10^5 objects more (one stopped scoring for ~0.14 s of a 1.9 s evaluation).
     gc.collect()
     gc.freeze()
     uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
