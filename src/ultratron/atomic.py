@@ -46,6 +46,12 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def cache_dir(*parts: str) -> Path:
+    """Where ultratron keeps what it can always make again: `$XDG_CACHE_HOME/ultratron/PARTS`, or
+    `~/.cache/ultratron/PARTS` (curation's staging, the built-in suite's tasks)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "ultratron", *parts)
+
+
 def fsync(path: Path) -> None:
     """Flush a file's or a directory's entries (a rename's) to disk."""
     fd = os.open(path, os.O_RDONLY)

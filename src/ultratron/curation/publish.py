@@ -15,11 +15,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ultratron.atomic import is_temp
+from ultratron.atomic import cache_dir, is_temp
 from ultratron.curation.config import DataPipelineConfig
 from ultratron.data.objstore import Remote
 from ultratron.data.shards import META, sha256_file
@@ -32,8 +31,7 @@ LAST = ("report.json", "report.md")
 def staging_dir(cfg: DataPipelineConfig) -> Path:
     if cfg.pipeline.staging:
         return Path(cfg.pipeline.staging).resolve()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").resolve()
-    return cache / "ultratron" / "curation" / hashlib.sha256(cfg.pipeline.output.encode()).hexdigest()[:16]
+    return cache_dir("curation", hashlib.sha256(cfg.pipeline.output.encode()).hexdigest()[:16]).resolve()
 
 
 def publish_order(names: list[str]) -> list[str]:

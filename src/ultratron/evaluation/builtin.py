@@ -15,13 +15,12 @@ import functools
 import hashlib
 import json
 import keyword
-import os
 import random
 import re
 import sys
 from pathlib import Path
 
-from ultratron.atomic import write_text
+from ultratron.atomic import cache_dir, write_text
 from ultratron.data.sources import BUILTIN_EXCLUDED_DIRS, builtin_corpus_root, held_out, walk_files
 from ultratron.errors import TaskError
 from ultratron.evaluation.tasks import ChoiceExample, GenerationExample, Task, TextExample, load_task_file
@@ -178,14 +177,10 @@ def _held_out(fraction: float) -> list[tuple[str, str]]:
     return held_out_documents(fraction)
 
 
-def task_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ultratron" / "tasks"
-
-
 def _cached(name: str, fraction: float, make) -> Task:
     """A multiple-choice task made by `make(docs)` from the held-out documents, or as it was made
     before: a search over every held-out line (~0.16 s for next_line, most of `eval --endpoint`'s
-    fixed cost) is kept in `task_cache_dir()` under a hash of everything it depends on — this
+    fixed cost) is kept in `cache_dir("tasks")` under a hash of everything it depends on — this
     module's source, the documents' names and texts, the fraction, Python's version (its `random`)
     — so a change to any of them makes it anew. A cache that cannot be written is skipped."""
     docs = _held_out(fraction)
@@ -193,7 +188,7 @@ def _cached(name: str, fraction: float, make) -> Task:
     key.update(f"{name}|{fraction!r}|{sys.version_info[:2]}".encode())
     for doc_id, text in docs:
         key.update(f"{len(doc_id)}:{doc_id}{len(text)}:".encode() + text.encode("utf-8", "surrogatepass"))
-    path = task_cache_dir() / f"{name}-{key.hexdigest()[:24]}.json"
+    path = cache_dir("tasks") / f"{name}-{key.hexdigest()[:24]}.json"
     try:
         kind, rows = json.loads(path.read_text(encoding="utf-8"))
         return Task(name, kind, [ChoiceExample(*row) for row in rows])

@@ -102,7 +102,13 @@ from ultratron.planning.lora import adapter_params_per_layer
 from ultratron.planning.params import count_params_of
 from ultratron.planning.pipeline import peak_in_flight, rank_stages, stage_ranks, stage_split
 from ultratron.planning.rules import field_of, gathers_per_linear, head_dim_of, reduces_every_micro_batch
-from ultratron.planning.start import held_tensor_shapes, layer_tensor_shapes, rope_table_bytes, stored_chunk_elements
+from ultratron.planning.start import (
+    held_tensor_shapes,
+    layer_kinds,
+    layer_tensor_shapes,
+    rope_table_bytes,
+    stored_chunk_elements,
+)
 
 __all__ = ["ACTIVATION_MODELS", "RECOMPUTE", "GiB", "MemoryBreakdown", "estimate_memory", "estimate_memory_per_rank",
            "heaviest_rank", "layer_activation_bytes", "layer_tensor_shapes", "stored_chunk_elements"]
@@ -168,10 +174,8 @@ def _largest_unit(shape, where: PipelineRank, t: int, split_experts: bool) -> fl
     """ZeRO-3 with each linear layer its own FSDP2 unit: the most parameters gathered at once on the
     rank, its largest linear layer's weight (tp shards it) or a block's rest (norms, and its routed
     experts while they are not split)."""
-    moe_layers = sum(where.layers) - where.dense_layers if is_moe(shape) else 0
-    kinds = ([False] if sum(where.layers) > moe_layers else []) + ([True] if moe_layers else [])
     largest = 0.0
-    for moe in kinds:
+    for moe in layer_kinds(shape, where):
         shapes = layer_tensor_shapes(shape, moe)
         rest = sum(prod(s) for s in shapes if len(s) == 1 or (len(s) == 3 and not split_experts))
         largest = max(largest, rest, *(prod(s) / t for s in shapes if len(s) == 2))

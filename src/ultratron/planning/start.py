@@ -51,16 +51,18 @@ def layer_tensor_shapes(shape, moe: bool) -> list[tuple[int, ...]]:
     return out + ([(shared, h), (shared, h), (h, shared)] if shared else [])
 
 
+def layer_kinds(shape, where) -> list[bool]:
+    """Which kinds of block a pipeline rank holds, as `layer_tensor_shapes`'s `moe`: dense (False),
+    mixture-of-experts (True), or both (a mixture's dense first layers)."""
+    moe_layers = sum(where.layers) - where.dense_layers if is_moe(shape) else 0
+    return ([False] if sum(where.layers) > moe_layers else []) + ([True] if moe_layers else [])
+
+
 def held_tensor_shapes(shape, where) -> list[tuple[int, ...]]:
     """The whole shapes of the parameters a pipeline rank holds a part of (each kind once): its blocks'
     (dense, mixture-of-experts or both), the embedding on the first stage, the output head (its own
     copy when tied under pp, the same shape) and the final norm on the last."""
-    out: list[tuple[int, ...]] = []
-    moe_layers = sum(where.layers) - where.dense_layers if is_moe(shape) else 0
-    if sum(where.layers) > moe_layers:
-        out += layer_tensor_shapes(shape, moe=False)
-    if moe_layers:
-        out += layer_tensor_shapes(shape, moe=True)
+    out = [s for moe in layer_kinds(shape, where) for s in layer_tensor_shapes(shape, moe)]
     if where.first or where.last:
         out.append((shape.vocab_size, shape.dim))
     if where.last:
