@@ -115,3 +115,15 @@ def test_a_pair_that_fits_by_its_bytes_costs_no_tokenize_call():
     backend.loglikelihood([(long_context, "tail")])
     assert len(asked) > 2 and all(len(t) <= 63 for t in echoed[1:])  # counted, and cut to fit
     assert echoed[1].endswith("line 19\ntail")
+
+
+def test_answers_are_read_fast_and_the_nan_and_infinity_some_servers_write_still_parse(server):
+    """orjson reads the bodies; what it refuses (the standard library's NaN and -Infinity literals,
+    which some servers write for a log-probability) falls back to the standard library."""
+    url, _ = server
+    _Scripted.script = [(200, b'{"choices": [{"logprobs": {"token_logprobs": [null, -Infinity, NaN, -0.5]}}]}', {}),
+                        (200, b'{"data": [{"id": "m", "n": 1.25}]}', {})]
+    client = Client(url, "key", max_retries=0)
+    lps = client.post("completions", {"prompt": "a"})["choices"][0]["logprobs"]["token_logprobs"]
+    assert lps[0] is None and lps[1] == float("-inf") and lps[2] != lps[2] and lps[3] == -0.5
+    assert client.get("models") == {"data": [{"id": "m", "n": 1.25}]}

@@ -31,7 +31,7 @@ from ultratron.serving.json_mode import JsonConstraint, JsonVocabulary, token_by
 from ultratron.serving.metrics import scrape
 from ultratron.serving.openai_fields import APIError, check_extras, error_body, output_grammar, stops, stream_usage
 from ultratron.serving.requests import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from ultratron.serving.responses import chat_logprobs, completion_logprobs, response, stream
+from ultratron.serving.responses import BodyResponse, chat_logprobs, completion_logprobs, response, stream
 
 
 @dataclass
@@ -352,7 +352,7 @@ def create_app(server: Server) -> FastAPI:
                 logprobs = completion_logprobs(server.token_text, infos, offsets)
             choices.append({"index": index, "text": prefix + seq.text, "logprobs": logprobs,
                             "finish_reason": seq.finish_reason})
-        return JSONResponse(response(rid, "text_completion", created, req.model, choices, prompts, seqs))
+        return BodyResponse(response(rid, "text_completion", created, req.model, choices, prompts, seqs))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
@@ -386,7 +386,7 @@ def create_app(server: Server) -> FastAPI:
         choices = [{"index": i, "message": {"role": "assistant", "content": s.text},
                     "logprobs": chat_logprobs(server.token_text, s.tokens) if req.logprobs else None,
                     "finish_reason": s.finish_reason} for i, s in enumerate(seqs)]
-        return JSONResponse(response(rid, "chat.completion", created, req.model, choices, [(ids, "")], seqs))
+        return BodyResponse(response(rid, "chat.completion", created, req.model, choices, [(ids, "")], seqs))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
