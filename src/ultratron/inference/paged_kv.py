@@ -118,20 +118,21 @@ class PagedCache:
         return self.table[slot, pos // self.block] * self.block + pos % self.block
 
     def read(self, slot: int, a: int, b: int) -> torch.Tensor:
-        """Positions a..b−1 of `slot`: (layers, 2, kv_heads, b − a, head_dim), a copy."""
+        """Positions a..b−1 of `slot`: (layers, 2, b − a, kv_heads, head_dim), a copy (positions
+        before heads, as the pool holds them: no transpose either way)."""
         rows = self._pool_rows(slot, a, b)
-        return torch.stack([torch.stack((self.keys[n][rows].transpose(0, 1), self.values[n][rows].transpose(0, 1)))
+        return torch.stack([torch.stack((self.keys[n].index_select(0, rows), self.values[n].index_select(0, rows)))
                             for n in self.keys])
 
     def write(self, slot: int, a: int, kv: torch.Tensor) -> None:
-        """`kv` (layers, 2, kv_heads, n, head_dim), as `read` gives it, into positions a..a+n−1 of
+        """`kv` (layers, 2, n, kv_heads, head_dim), as `read` gives it, into positions a..a+n−1 of
         `slot` (which gets the blocks for them)."""
-        n = kv.shape[3]
+        n = kv.shape[2]
         self.grow(slot, a + n)
         rows = self._pool_rows(slot, a, a + n)
         for i, name in enumerate(self.keys):
-            self.keys[name][rows] = kv[i, 0].transpose(0, 1)
-            self.values[name][rows] = kv[i, 1].transpose(0, 1)
+            self.keys[name].index_copy_(0, rows, kv[i, 0])
+            self.values[name].index_copy_(0, rows, kv[i, 1])
 
     def rows(self, lo: int, hi: int) -> PagedRows:
         return PagedRows(self, torch.arange(lo, hi, device=self.lengths.device))

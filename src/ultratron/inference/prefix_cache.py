@@ -36,7 +36,7 @@ ROOT = 0  # the parent id of a prompt's first block
 class Block:
     id: int
     key: tuple[int, tuple[int, ...]]  # (parent id, tokens)
-    kv: torch.Tensor  # (layers, 2, kv_heads, n, head_dim)
+    kv: torch.Tensor  # (layers, 2, n, kv_heads, head_dim)
     logprob: torch.Tensor | None = None  # (n,) fp32: each token's log-probability (nan: the prompt's first)
     top_ids: torch.Tensor | None = None  # (n, top_k) int32
     top_values: torch.Tensor | None = None  # (n, top_k) fp32
@@ -112,7 +112,7 @@ class PrefixCache:
               splits: tuple[int, ...] = ()) -> int:
         """Store the blocks of a computed prompt: every full block, a partial block at its end and at
         each of `splits` (positions where another prompt parts from this one). `read_kv(a, b)` gives
-        positions a..b-1's keys/values (layers, 2, kv_heads, b - a, head_dim); `infos` is the
+        positions a..b-1's keys/values (layers, 2, b - a, kv_heads, head_dim); `infos` is the
         prompt's (logprob, top_ids, top_values) per position, or None. Returns the tokens stored."""
         size, stored, chain, parent = self.block, 0, [], ROOT
         full = len(tokens) // size
