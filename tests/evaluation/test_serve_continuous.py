@@ -235,3 +235,35 @@ def test_max_batch_bounds_the_sequences_generated_together(model, rows):
         run_batch(model, [seq], eos_id=0, decode=_decode)
     assert [[t.id for t in s.tokens] for s in seqs] == [[t.id for t in s.tokens] for s in alone]
     assert rows_per_step == ([0] * 8 + [6] if rows == 8 else [0, 8 * 6])
+
+
+def test_a_prefill_forward_that_fails_fails_its_prompts_and_the_worker_serves_on(model, monkeypatch):
+    """An error raised inside a prefill forward (a ValueError, as the KV cache raises, not a prompt
+    the engine refuses before queueing it) fails the prompts that were prefilling, leaves the
+    engine's queue and blocks empty, and the next request is served; a refused prompt fails alone."""
+    batcher = Batcher(model, eos_id=0, decode=_decode, max_rows=4)
+    engine, real = batcher.engine, batcher.engine._forward
+    calls = []
+
+    def forward(chosen):
+        calls.append(len(chosen))
+        if len(calls) == 1:
+            raise ValueError("the forward broke")
+        return real(chosen)
+
+    monkeypatch.setattr(engine, "_forward", forward)
+    answers, done = [], threading.Semaphore(0)
+
+    def submit(seqs):
+        batcher.submit(seqs, lambda err: (answers.append(err), done.release()))
+        assert done.acquire(timeout=60)
+        return answers[-1]
+
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    err = submit([Sequence([3, 4, 5], params), Sequence([3, 4, 6], params)])
+    assert isinstance(err, ValueError) and "the forward broke" in str(err)
+    assert not engine.queue and not engine.rows and engine.cache.free_blocks == engine.cache.n_blocks
+    assert "prompt of 600 tokens" in str(submit([Sequence([5] * 600, params)]))  # refused: longer than the cache
+    ok = Sequence([3, 4, 5], params)
+    assert submit([ok]) is None and len(ok.tokens) == 2 and batcher.alive
+    batcher.close()

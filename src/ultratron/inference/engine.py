@@ -20,7 +20,12 @@ from ultratron.inference.prefix_cache import PrefixCache
 from ultratron.inference.sequence import SamplingParams, Sequence, TokenInfo, _adjusted, _Row
 from ultratron.models.registry import model_args
 
-__all__ = ["Engine", "SamplingParams", "Sequence", "TokenInfo", "_adjusted", "run_batch"]
+__all__ = ["Engine", "Refused", "SamplingParams", "Sequence", "TokenInfo", "_adjusted", "run_batch"]
+
+
+class Refused(ValueError):
+    """Sequences `admit` cannot take, found before any of them is queued: only they fail. Any other
+    error from `admit` comes from a prefill forward, and the prompts queued then are in doubt."""
 
 
 class Engine:
@@ -106,16 +111,16 @@ class Engine:
         """Queue `seqs` for prefill, each in a free slot, and prefill within the token budget;
         returns the sequences finished already (max_tokens 0)."""
         if len(seqs) > self.free:
-            raise ValueError(f"{len(seqs)} sequences do not fit the {self.free} free slots")
+            raise Refused(f"{len(seqs)} sequences do not fit the {self.free} free slots")
         if any(not s.prompt_ids for s in seqs):
-            raise ValueError("every prompt needs at least one token")
+            raise Refused("every prompt needs at least one token")
         longest = max((len(s.prompt_ids) for s in seqs), default=0)
         if longest > self.cache.capacity:
-            raise ValueError(f"a prompt of {longest} tokens exceeds the cache capacity {self.cache.capacity}")
+            raise Refused(f"a prompt of {longest} tokens exceeds the cache capacity {self.cache.capacity}")
         longest = max((min(len(s.prompt_ids) + s.params.max_tokens, self.cache.capacity) for s in seqs), default=0)
         if longest > self.cache.tokens:
-            raise ValueError(f"a sequence of {longest} tokens (prompt and max_tokens) exceeds the KV cache "
-                             f"of {self.cache.tokens} tokens")
+            raise Refused(f"a sequence of {longest} tokens (prompt and max_tokens) exceeds the KV cache "
+                          f"of {self.cache.tokens} tokens")
         held = {p.slot for p in self.queue}
         free = (slot for slot in range(len(self.rows), self.cache.slots) if slot not in held)
         for s, slot in zip(seqs, free, strict=False):

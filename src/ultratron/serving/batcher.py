@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 
 from ultratron.errors import ConfigError
-from ultratron.inference.engine import Engine, Sequence
+from ultratron.inference.engine import Engine, Refused, Sequence
 from ultratron.inference.paged_kv import PagedCache
 from ultratron.models.registry import model_args
 from ultratron.serving.metrics import Metrics
@@ -182,7 +182,7 @@ class Batcher:
                 try:
                     finished = self.engine.admit([s for s, _ in admit])
                     self._job_of.update((id(s), job) for s, job in admit)
-                except ValueError as err:  # a prompt the engine cannot take: only its requests fail
+                except Refused as err:  # a prompt the engine cannot take: only its requests fail
                     self._fail({id(job): job for _, job in admit}, err)
                 except Exception as err:  # a prefill forward failed: so do the prompts it was prefilling
                     jobs = [job for _, job in admit] + [self._job_of.pop(id(s)) for s in self.engine.drop_queue()
