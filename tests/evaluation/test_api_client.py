@@ -127,3 +127,25 @@ def test_answers_are_read_fast_and_the_nan_and_infinity_some_servers_write_still
     lps = client.post("completions", {"prompt": "a"})["choices"][0]["logprobs"]["token_logprobs"]
     assert lps[0] is None and lps[1] == float("-inf") and lps[2] != lps[2] and lps[3] == -0.5
     assert client.get("models") == {"data": [{"id": "m", "n": 1.25}]}
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_a_task_with_more_than_four_stop_strings_is_cut_at_each_of_them(api):
+    """OpenAI's API takes at most 4 stop strings: the endpoint gets the first 4, and the text is cut
+    at the first of all 8 (HumanEval's list is 8 long), the stop itself left out."""
+    from ultratron.evaluation import backends
+
+    backend = object.__new__(backends.EndpointBackend)
+    backend.concurrency, backend.generation_api = 1, api
+    stops = ("\nclass", "\ndef", "\n#", "\nif", "\nprint", "\n```", "<|end|>", "\n\n\n")
+    sent = []
+
+    def call(path, **body):
+        sent.append(body["stop"])
+        text = "    return a + b\nprint(add(1, 2))\ndef more():"  # runs past the 5th stop, then the 2nd
+        return {"choices": [{"message": {"content": text}}]} if api == "chat" else {"choices": [{"text": text}]}
+
+    backend._call = call
+    assert backend.generate([("def add(a, b):\n", stops, 32), ("x", ("\nprint",), 32), ("y", (), 32)]) == [
+        "    return a + b", "    return a + b", "    return a + b\nprint(add(1, 2))\ndef more():"]
+    assert sent == [list(stops[:4]), ["\nprint"], None]

@@ -308,17 +308,26 @@ class EndpointBackend:
         return total, count, len(text.encode("utf-8")) - len(first.encode("utf-8"))
 
     def generate(self, requests: list[tuple[str, tuple[str, ...], int]]) -> list[str]:
+        """Greedy completions. OpenAI's API takes at most 4 stop strings: the first 4 go to the
+        endpoint, and the text is cut at the first of all of them here (as the endpoint would have
+        stopped there: the text before it is the same greedy text)."""
         def one(req):
-            prompt, stop, max_tokens = req
-            stop = list(stop)[:4] or None
+            prompt, stops, max_tokens = req
+            stop = list(stops)[:4] or None
             if self.generation_api == "chat":
                 r = self._call("chat/completions", messages=[{"role": "user", "content": prompt}],
                                max_tokens=max_tokens, temperature=0, stop=stop)
-                return r["choices"][0]["message"]["content"] or ""
+                return cut_at_stop(r["choices"][0]["message"]["content"] or "", stops)
             r = self._call("completions", prompt=prompt, max_tokens=max_tokens, temperature=0, stop=stop)
-            return r["choices"][0]["text"]
+            return cut_at_stop(r["choices"][0]["text"], stops)
 
         return self._map(one, requests)
+
+
+def cut_at_stop(text: str, stops) -> str:
+    """`text` up to the first occurrence of any of `stops` (which is left out, as OpenAI leaves it)."""
+    ends = [i for stop in stops if stop and (i := text.find(stop)) >= 0]
+    return text[:min(ends)] if ends else text
 
 
 def bits_per_byte(nll_nats: float, n_bytes: int) -> float:
