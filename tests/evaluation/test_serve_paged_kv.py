@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tolerances import PAGED_KV
-from ultratron.inference.engine import Engine, SamplingParams, Sequence
+from ultratron.inference.engine import Engine, SamplingParams, Sequence, run_batch
 from ultratron.inference.kv_cache import SlotCache
 from ultratron.inference.paged_kv import PagedCache
 from ultratron.models.llama import Llama, LlamaArgs
@@ -199,3 +199,25 @@ def test_the_server_answers_400_for_a_request_longer_than_its_pool(model):
                                                      "max_tokens": 12, "temperature": 0})
         assert status == 200 and body["usage"]["completion_tokens"] == 12
         assert server.batcher.kv_tokens == 32
+
+
+def test_the_request_that_joined_last_is_preempted_not_the_last_row(model):
+    """A, B and C join in that order, one block each, and fill a 3-block pool. A ends after one token
+    and C moves into its slot, so the rows are [C, B]; both need a block and one is free: C, the
+    newest, gives way (as vLLM preempts), not B, the last row. Both finish with their own tokens."""
+    engine = Engine(model, -1, _decode, slots=3, capacity=96, kv_cache_tokens=48)
+    a, b, c = (Sequence(list(p), SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+               for p, n in (([3] * 8, 1), ([4] * 16, 8), ([5] * 16, 8)))
+    engine.admit([a, b, c])
+    assert [r.seq for r in engine.rows] == [a, b, c] and engine.cache.free_blocks == 0
+    engine.step()
+    assert a.finish_reason == "length" and engine.preempted == 1
+    assert [r.seq for r in engine.rows] == [b] and [p.seq for p in engine.queue] == [c]
+    while engine.busy:
+        if engine.queue:
+            engine.admit([])
+        engine.step()
+    for seq in (b, c):
+        alone = Sequence(seq.prompt_ids, seq.params)
+        run_batch(model, [alone], -1, _decode)
+        assert seq.token_ids == alone.token_ids and len(seq.tokens) == 8

@@ -37,7 +37,7 @@ class Engine:
     the pool can give all of its blocks besides those promised to the prompts prefilling, and (a new
     one) one spare block per running row unless every slot fits at full capacity (`roomy`, the
     default pool); until then it waits in the queue, and the prompts behind it
-    too (FIFO). When a decode step needs more blocks than are free, the last running rows are
+    too (FIFO). When a decode step needs more blocks than are free, the rows that joined last are
     preempted: their blocks are freed and they go to the front of the queue, where their prompt and
     generated tokens are computed again when blocks free up (vLLM's recompute preemption); their
     sampling goes on where it was. A sequence longer than the pool is refused (ValueError).
@@ -77,7 +77,7 @@ class Engine:
         self.pending: list[torch.Tensor] = []  # row i's log-probabilities for its next token
         self.queue: list[Prefill] = []  # admitted, prompt not computed yet; each holds a slot past the rows
         self.prefill = PrefillStats()
-        self.kv_peak_tokens = self.kv_peak_blocks = self.preempted = 0
+        self.kv_peak_tokens = self.kv_peak_blocks = self.preempted = self._joined = 0
 
     @property
     def free(self) -> int:
@@ -234,7 +234,11 @@ class Engine:
         elif item.slot != target:
             self.cache.move(item.slot, target)
             self.cache.reset(item.slot)
-        self.rows.append(item.resume or _Row(item.seq, self.eos_id, self.decode))
+        row = item.resume
+        if row is None:
+            row = _Row(item.seq, self.eos_id, self.decode)
+            row.order = self._joined = self._joined + 1
+        self.rows.append(row)
         self.pending.append(item.next_logp)
         if item.resume is None and item.seq.params.max_tokens <= 0:
             item.seq.finish_reason = "length"
@@ -259,8 +263,8 @@ class Engine:
         return done
 
     def _grow_rows(self) -> None:
-        """A block for every row whose next position starts one; the last rows are preempted while
-        the free blocks (not promised to a prefill) do not suffice."""
+        """A block for every row whose next position starts one; the rows that joined last are
+        preempted while the free blocks (not promised to a prefill) do not suffice."""
         cache = self.cache
         while self.rows:
             lengths = cache.lengths[:len(self.rows)].tolist()
@@ -270,6 +274,11 @@ class Engine:
                     cache.grow(i, lengths[i] + 1)
                 return
             last = len(self.rows) - 1  # its slot, once it leaves the rows, is the queue's
+            newest = max(range(len(self.rows)), key=lambda i: self.rows[i].order)
+            if newest != last:  # the newest request gives way (vLLM's order): moved into the last slot
+                cache.swap(newest, last)
+                for rows in (self.rows, self.pending):
+                    rows[newest], rows[last] = rows[last], rows[newest]
             row = self.rows.pop()
             self.pending.pop()
             cache.reset(last)

@@ -103,6 +103,7 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
 class _Row:
     def __init__(self, seq: Sequence, eos_id: int, decode: Callable[[list[int]], str]):
         self.seq, self.eos_id, self.decode = seq, eos_id, decode
+        self.order = 0  # when it joined the running rows (the engine's count): the newest is preempted first
         seed = seq.params.seed
         self.generator = None
         if seq.params.temperature > 0:
