@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ultratron.errors import EndpointError
+from ultratron.inference.stops import first_stop
 
 TOKENS_WITHOUT_BYTES = 16  # a text of n bytes has at most n + this many tokens, under any tokenizer we know
 
@@ -326,8 +327,8 @@ class EndpointBackend:
 
 def cut_at_stop(text: str, stops) -> str:
     """`text` up to the first occurrence of any of `stops` (which is left out, as OpenAI leaves it)."""
-    ends = [i for stop in stops if stop and (i := text.find(stop)) >= 0]
-    return text[:min(ends)] if ends else text
+    cut = first_stop(text, stops)
+    return text[:cut] if cut >= 0 else text
 
 
 def bits_per_byte(nll_nats: float, n_bytes: int) -> float:

@@ -234,11 +234,9 @@ class Engine:
         elif item.slot != target:
             self.cache.move(item.slot, target)
             self.cache.reset(item.slot)
-        row = item.resume
-        if row is None:
-            row = _Row(item.seq, self.eos_id, self.decode)
-            row.order = self._joined = self._joined + 1
-        self.rows.append(row)
+        if item.resume is None:
+            self._joined += 1
+        self.rows.append(item.resume or _Row(item.seq, self.eos_id, self.decode, self._joined))
         self.pending.append(item.next_logp)
         if item.resume is None and item.seq.params.max_tokens <= 0:
             item.seq.finish_reason = "length"

@@ -117,18 +117,6 @@ class SlotCache:
             return Rows(self, slots[0], slots[0] + len(slots))
         return Rows(self, 0, 0, torch.tensor(slots, device=self.lengths.device))
 
-    def read(self, slot: int, a: int, b: int) -> torch.Tensor:
-        """Positions a..b-1 of `slot`: (layers, 2, kv_heads, b - a, head_dim), a copy."""
-        return torch.stack([torch.stack((self.keys[n][slot, :, a:b], self.values[n][slot, :, a:b]))
-                            for n in self.keys])
-
-    def write(self, slot: int, a: int, kv: torch.Tensor) -> None:
-        """`kv` (layers, 2, kv_heads, n, head_dim), as `read` gives it, into positions a..a+n-1 of `slot`."""
-        n = kv.shape[3]
-        for i, name in enumerate(self.keys):
-            self.keys[name][slot, :, a:a + n] = kv[i, 0]
-            self.values[name][slot, :, a:a + n] = kv[i, 1]
-
     def swap(self, a: int, b: int) -> None:
         """Exchange two slots' keys, values and lengths."""
         if a == b:

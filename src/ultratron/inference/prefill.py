@@ -72,13 +72,12 @@ class Prefill:
             self.infos = (torch.full((n,), math.nan), torch.zeros(n, top_k, dtype=torch.int32),
                           torch.zeros(n, top_k))
         if self.reuse:
-            chain = self.chain
-            cache.write(self.slot, 0, _joined([b.kv for b in chain], 2)[:, :, :self.reuse])
+            cache.write(self.slot, 0, torch.cat([b.kv for b in self.chain], dim=2)[:, :, :self.reuse])
             cache.lengths[self.slot] = self.reuse
             if self.infos is not None:  # (a chain holds at most the prompt's tokens)
-                for mine, theirs in zip(self.infos, ([b.logprob for b in chain], [b.top_ids for b in chain],
-                                                     [b.top_values for b in chain]), strict=True):
-                    joined = _joined(theirs, 0)
+                fields = zip(*((b.logprob, b.top_ids, b.top_values) for b in self.chain), strict=True)
+                for mine, theirs in zip(self.infos, fields, strict=True):
+                    joined = torch.cat(theirs)
                     mine[:len(joined)] = joined
         self.done = self.reuse
         self.chain = []
@@ -148,7 +147,3 @@ class Prefill:
             return kv[:, :, a - start:b - start].clone()  # (its own storage: a block may outlive the rest)
 
         prefix.store(self.seq.prompt_ids, read, self.infos, splits)
-
-
-def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ultratron.inference.stops import first_stop
 from ultratron.models.sampling import keep_top_k
 
 
@@ -101,9 +102,9 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
 
 
 class _Row:
-    def __init__(self, seq: Sequence, eos_id: int, decode: Callable[[list[int]], str]):
+    def __init__(self, seq: Sequence, eos_id: int, decode: Callable[[list[int]], str], order: int = 0):
         self.seq, self.eos_id, self.decode = seq, eos_id, decode
-        self.order = 0  # when it joined the running rows (the engine's count): the newest is preempted first
+        self.order = order  # when it joined the running rows (the engine's count): the newest is preempted first
         seed = seq.params.seed
         self.generator = None
         if seq.params.temperature > 0:
@@ -122,7 +123,7 @@ class _Row:
         else:
             seq.tokens.append(TokenInfo(token, float(logp[token]), _top(logp, params.logprobs)))
             text = self.decode(seq.token_ids)
-            cut = min((i for i in (text.find(s) for s in params.stop if s) if i >= 0), default=-1)
+            cut = first_stop(text, params.stop)
             if cut >= 0:
                 seq.text, seq.finish_reason = text[:cut], "stop"
             else:
