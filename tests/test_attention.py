@@ -170,3 +170,27 @@ def test_a_bad_spec_is_refused():
         MaskSpec(backend="fast")
     with pytest.raises(ValueError, match="sliding window -1"):
         MaskSpec(window=-1)
+
+
+def test_a_tree_of_shared_prefixes_sees_its_own_branch_and_the_trunk_before_its_fork():
+    """A KV cache's packed tree (`MaskSpec.shared`): keys 0..5 the first prompt, 6..8 a second
+    that forks from it at 3, 9 a third forking at 5. Each branch sees the trunk's keys before its
+    fork and its own, never another branch's; flex is not taken for it, and both attention paths
+    (a few queries; the chunks) equal the dense mask."""
+    documents = torch.tensor([[0] * 6 + [1] * 3 + [2]])
+    shared = torch.tensor([[0] * 6 + [3] * 3 + [5]])
+    spec = MaskSpec(rows=torch.arange(10)[None], documents=documents, shared=shared, backend="flex")
+    seen = allowed(spec, spec.rows, torch.arange(10))[0, 0]
+    want = [list(range(i + 1)) for i in range(6)] + [[0, 1, 2, 6], [0, 1, 2, 6, 7], [0, 1, 2, 6, 7, 8],
+                                                     [0, 1, 2, 3, 4, 9]]
+    assert [row.nonzero().squeeze(1).tolist() for row in seen] == want
+    q, k, v = _qkv(q_len=10)
+    q, k, v = q[:1], k[:1, :, :10], v[:1, :, :10]
+    assert not attention.uses_flex(spec, q, k)
+    with torch.no_grad():
+        want_out = reference_attention(q, k, v, spec, H // KV)
+        assert _close(attend(q, k, v, spec, H // KV), want_out)  # ≤ DECODE_QUERIES: SDPA with the mask
+        wide = MaskSpec(rows=torch.arange(30)[None], documents=documents.repeat(1, 3), shared=shared.repeat(1, 3))
+        q3, k3, v3 = _qkv(q_len=30)
+        q3, k3, v3 = q3[:1], k3[:1, :, :30], v3[:1, :, :30]
+        assert _close(attend(q3, k3, v3, wide, H // KV), reference_attention(q3, k3, v3, wide, H // KV))

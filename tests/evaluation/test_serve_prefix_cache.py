@@ -216,3 +216,48 @@ def test_the_output_head_runs_only_where_a_distribution_is_needed():
     for _ in _drain(engine, [[echo]]):
         pass
     assert rows == [16, 16, 8] and len(echo.prompt_tokens) == 40
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_prompts_that_share_a_context_are_computed_in_one_forward(window):
+    """Four choices after one 21-token context, admitted together: with the cache they are forwarded
+    as one tree (the first whole, the other three from where they fork, one position before their
+    first own token), in one forward instead of two; a sliding-window model, whose mask a packed row
+    would renumber, keeps two (the three wait for the first and reuse its cached blocks). Either way
+    every echoed log-probability and top alternative is the cache-off engine's, and so are the four
+    greedy tokens each then generates from the keys and values the three were given."""
+    torch.manual_seed(0)
+    model = Llama(LlamaArgs(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=VOCAB,
+                            max_seq_len=64, sliding_window=window)).eval()
+    context = [(7 * i + 3) % VOCAB for i in range(21)]
+    tails = [[1, 2, 3], [4, 2], [1, 2, 5, 6], [9]]  # the third shares two more tokens with the first
+    forwards = []
+    forward = model.forward
+    model.forward = lambda tokens, cache=None: forwards.append(tokens.shape) or forward(tokens, cache)
+    runs = {}
+    for name, options in (("off", {}), ("on", {"prefix_cache_tokens": 256})):
+        engine = Engine(model, -1, _decode, slots=4, capacity=64, **options)
+        seqs = [Sequence(context + t, SamplingParams(max_tokens=4, temperature=0, echo=True, logprobs=2))
+                for t in tails]
+        forwards.clear()
+        engine.admit(seqs)
+        admitted = list(forwards)
+        while engine.busy:
+            engine.step()
+        runs[name] = (seqs, engine.stats(), admitted)
+    (off, _, off_forwards), (on, stats, on_forwards) = runs["off"], runs["on"]
+    assert len(off_forwards) == 1
+    if window:
+        assert len(on_forwards) == 2 and stats["packed"] == 0
+    else:  # one row: the first's 24 tokens, then 3, 3 and 2 (each from one before its first own token)
+        assert on_forwards == [torch.Size([1, 24 + 3 + 3 + 2])] and stats["packed"] == 3
+        assert stats["computed_tokens"] == 32 and stats["cached_tokens"] == 20 + 22 + 20
+    worst = 0.0
+    for a, b in zip(off, on, strict=True):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 4
+        for x, y in zip(a.prompt_tokens + a.tokens, b.prompt_tokens + b.tokens, strict=True):
+            assert x.id == y.id and [i for i, _ in x.top or []] == [i for i, _ in y.top or []]
+            if x.logprob is not None:
+                tops = zip(x.top, y.top, strict=True)
+                worst = max(worst, abs(x.logprob - y.logprob), *(abs(p - q) for (_, p), (_, q) in tops))
+    assert worst <= PREFIX_CACHE

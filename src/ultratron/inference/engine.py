@@ -47,7 +47,8 @@ class Engine:
     each): a prompt longer than that is prefilled in chunks over several calls, the running rows
     stepping in between. With a prefix cache (`prefix_cache_tokens` > 0) a prompt's longest cached
     prefix is copied into its slot and only the rest computed; a prompt that shares an uncached
-    prefix with one being prefilled waits for it and then reuses it. `step` samples every running
+    prefix with one in the same forward is computed in its row from where they fork (a packed
+    tree, `PagedCache.packed`), or, when it cannot, waits for it and then reuses it. `step` samples every running
     sequence's next token, lets the finished ones go (their slots are reused at once) and forwards
     the rest by one token. A scheduler around it (serving's Batcher) decides who is admitted when;
     `run_batch` admits everything and steps until done.
@@ -72,6 +73,9 @@ class Engine:
         self.roomy = self.cache.n_blocks >= slots * self.cache.blocks_for(capacity)
         self.top_k = min(cache_top_k, model_args(model).vocab_size)  # alternatives kept per prompt position
         self.prefix = PrefixCache(model, prefix_cache_tokens, self.top_k, block) if prefix_cache_tokens > 0 else None
+        # prompts that share a prefix are forwarded together as trees (not past a sliding window, whose
+        # mask counts positions that a packed row renumbers)
+        self.packs = self.prefix is not None and not getattr(model_args(model), "sliding_window", 0)
         self.max_batched_tokens = max_batched_tokens or slots * self.cache.capacity
         self.rows: list[_Row] = []  # row i occupies slot i
         self.pending: list[torch.Tensor] = []  # row i's log-probabilities for its next token
@@ -137,7 +141,8 @@ class Engine:
             chosen = self._choose(budget)
             if not chosen:
                 break
-            budget -= max(c for _, c in chosen) * len(chosen)
+            rows = _trees(chosen)
+            budget -= len(rows) * max(sum(c for _, c in row) for row in rows)
             complete = self._forward(chosen)
             self._note_kv()
             for item in complete:
@@ -145,37 +150,71 @@ class Engine:
         return done
 
     def _choose(self, budget: int) -> list[tuple[Prefill, int]]:
-        """The queued prompts to forward now and how many tokens of each (FIFO; padded to the widest,
-        within the budget). With a prefix cache, a prompt waits for one being prefilled that shares
-        with it a block or more beyond its cached prefix, or half of what it would compute: it
-        reuses that part after the other's forward (in this iteration while the budget lasts)."""
+        """The queued prompts to forward now and how many tokens of each (FIFO; rows padded to the
+        widest, within the budget). With a prefix cache, a prompt that shares a block or more beyond
+        its cached prefix, or half of what it would compute, with a prompt heading a row of this
+        forward follows it (`_lead`: computed in that row from where they fork); a prompt that
+        shares that much more with another being prefilled waits, and reuses that part after the
+        other's forward (in this iteration while the budget lasts)."""
         chosen: list[tuple[Prefill, int]] = []
+        rows: dict[Prefill, list[int]] = {}  # a row's first prompt → [its chunk, the row's length]
         width = 0
         started = [p for p in self.queue if p.started]
         blocked = False  # a prompt waits for blocks: so do the ones behind it
         for item in self.queue:
+            lead = None
             if not item.started:
                 if blocked:
                     continue
                 cached = item.lookup(self.prefix)
-                if self.prefix is not None and any(self._worth_waiting(item, p.shares(item) - cached, cached)
-                                                   for p in started):
+                lead, fork = self._lead(item, rows, cached)
+                base = max(fork, cached)  # what it would not compute now
+                if self.prefix is not None and any(  # (what it would reuse after the other's forward)
+                        p is not lead and self._worth_waiting(item, p.shares(item) - base, base) for p in started):
                     continue
                 spare = 0 if item.resume is not None or self.roomy else len(self.rows)
                 if self.cache.blocks_for(len(item.ids)) + spare > self._available():
                     blocked = True
                     continue
+            if lead is not None:
+                c, row = len(item.ids) - fork, rows[lead]
+                if len(rows) * max(width, row[1] + c) > budget or row[1] + c > self.cache.capacity:
+                    continue  # (it waits for the next forward)
+                item.follow(lead, fork, self.top_k, self.prefill)
+                started.append(item)
+                row[1] += c
+                width = max(width, row[1])
+                chosen.append((item, c))
+                continue
             c = min(item.remaining - (0 if item.started else item.reuse), budget)
-            if (len(chosen) + 1) * max(width, c) > budget:
-                if not chosen or (len(chosen) + 1) * width > budget:
+            if (len(rows) + 1) * max(width, c) > budget:
+                if not rows or (len(rows) + 1) * width > budget:
                     break
                 c = width  # a chunk of it, as wide as the others
             if not item.started:
                 item.start(self.cache, self.prefix, self.top_k, self.prefill)
                 started.append(item)
             chosen.append((item, c))
+            rows[item] = [c, c]
             width = max(width, c)
         return chosen
+
+    def _lead(self, item: Prefill, rows: dict[Prefill, list[int]], cached: int) -> tuple[Prefill | None, int]:
+        """The prompt heading a row of this forward that `item` shares the longest prefix with, if
+        worth following, and the position `item` forks from it (one before their first difference:
+        that position's distribution scores `item`'s next token, not the leader's). The leader must
+        have computed every position before the fork by the end of this forward."""
+        if not self.packs or item.resume is not None:
+            return None, 0
+        best, fork = None, 0
+        for lead, (c, _) in rows.items():
+            f = lead.shares(item) - 1
+            if (f > fork and f <= lead.done + c and lead.resume is None
+                    and (lead.infos is not None or not item.echo)):
+                best, fork = lead, f
+        if best is None or not self._worth_waiting(item, fork - item.reuse, cached):
+            return None, 0
+        return best, fork
 
     def _available(self) -> int:
         """Free blocks not promised to the prompts prefilling (each gets all its blocks)."""
@@ -188,25 +227,37 @@ class Engine:
     def _forward(self, chosen: list[tuple[Prefill, int]]) -> list[Prefill]:
         """One forward of the chosen chunks; log-softmax only where a log-probability is needed.
         Returns the prompts now complete."""
-        width = max(c for _, c in chosen)
-        tokens = torch.zeros(len(chosen), width, dtype=torch.long)
-        for i, (item, c) in enumerate(chosen):
-            tokens[i, :c] = torch.tensor(item.ids[item.done:item.done + c])
-            self.cache.grow(item.slot, item.done + c)
-        view = self.cache.at([item.slot for item, _ in chosen])
+        trees = _trees(chosen)
+        width = max(sum(c for _, c in row) for row in trees)
+        tokens = torch.zeros(len(trees), width, dtype=torch.long)
+        place = []  # each chunk's (row, first column)
+        for i, row in enumerate(trees):
+            t = 0
+            for item, c in row:
+                tokens[i, t:t + c] = torch.tensor(item.ids[item.done:item.done + c])
+                self.cache.grow(item.slot, item.done + c)
+                place.append((item, c, i, t))
+                t += c
+        if len(trees) == len(chosen):  # no prompt follows another: a row each
+            view = self.cache.at([item.slot for item, _ in chosen])
+        else:
+            view = self.cache.packed([[(item.slot, item.done, c) for item, c in row] for row in trees])
         hidden = _hidden(self.model, tokens.to(self.device), view)
         view.advance(torch.tensor([c for _, c in chosen], device=self.device))
         rows, cols, owners = [], [], []
-        for i, (item, c) in enumerate(chosen):
+        for item, c, i, t in place:
             for j in item.needed(c):
                 rows.append(i)
-                cols.append(j)
+                cols.append(t + j)
                 owners.append((item, item.done + j))
         if rows:
             logits = _head(self.model, hidden[torch.tensor(rows, device=hidden.device),
                                               torch.tensor(cols, device=hidden.device)])
             logp = torch.log_softmax(logits.float(), dim=-1)
             Prefill.record(owners, logp, self.top_k)
+        for item, _ in chosen:
+            if item.leader is not None:
+                item.take_shared(self.cache)
         complete = []
         for item, c in chosen:
             item.done += c
@@ -222,7 +273,7 @@ class Engine:
         """A prompt fully computed: into the prefix cache, then its slot joins the running rows."""
         self.queue.remove(item)
         if self.prefix is not None and item.resume is None:
-            splits = tuple(item.shares(p) for p in self.queue if not p.started)
+            splits = tuple(item.shares(p) for p in self.queue)  # (where the prompts still to come part from it)
             item.store(self.prefix, self.cache, splits)
         if item.resume is None:
             item.finish_prompt(TokenInfo)
@@ -329,6 +380,14 @@ class Engine:
             self.rows.pop()
             self.pending.pop()
             self.cache.reset(last)
+
+
+def _trees(chosen: list[tuple[Prefill, int]]) -> list[list[tuple[Prefill, int]]]:
+    """The rows of a forward: each prompt that follows no other, then those that follow it."""
+    rows: dict[int, list[tuple[Prefill, int]]] = {}
+    for item, c in chosen:
+        rows.setdefault(id(item if item.leader is None else item.leader), []).append((item, c))
+    return list(rows.values())
 
 
 def _hidden(model, tokens: torch.Tensor, cache) -> torch.Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ultratron.models.masks import MaskSpec
 from ultratron.models.registry import model_args, plan_of
 
 
@@ -61,6 +62,11 @@ class Rows:
 
     def layer(self, name: str) -> _LayerCache:
         return _LayerCache(self, name)
+
+    @staticmethod
+    def mask(positions: torch.Tensor, backend: str) -> MaskSpec:
+        """Which keys each query sees: a row's keys sit at their positions (causal on them)."""
+        return MaskSpec(rows=positions, backend=backend)
 
     def _update(self, name: str, k: torch.Tensor, v: torch.Tensor):
         if self.index is not None:

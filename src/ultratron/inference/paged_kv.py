@@ -10,19 +10,22 @@ pool's `tokens` bound the sum of the sequences' lengths (rounded up to blocks), 
 how many run at once.
 
 A forward's view (`rows`, `at`) is the model's cache interface, as SlotCache's: `positions(seq)`
-gives each row's positions and maps them to pool rows (table[p // block] · block + p % block);
+gives each row's positions and maps them to pool rows (table[p // block] · block + p % block),
+`mask(positions, backend)` says which keys each query sees (the `MaskSpec`),
 `layer(name).update(k, v)` writes the new keys/values there and returns each row's keys/values
 at positions 0..end−1, gathered from its blocks (one index_select per layer and forward, a copy).
 Within a view rows are right-padded: a padded position inside the row's blocks is written and
 overwritten later (as in a slot); one past them is not written, and a position past a row's
 blocks reads whatever pool row 0 holds. Only padded queries, whose outputs nobody reads, attend
 to such keys: a real query at position p sees the keys at 0..p, all of them the row's own.
+`packed` is the view of prompts that share a prefix forwarded as trees (`PackedRows`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ultratron.models.masks import MaskSpec
 from ultratron.models.registry import model_args, plan_of
 
 
@@ -134,11 +137,22 @@ class PagedCache:
             self.keys[name].index_copy_(0, rows, kv[i, 0])
             self.values[name].index_copy_(0, rows, kv[i, 1])
 
+    def copy(self, src: int, dst: int, a: int, b: int) -> None:
+        """Positions a..b−1 of slot `src` into the same positions of slot `dst` (which has their blocks)."""
+        if b <= a:
+            return
+        to, frm = self._pool_rows(dst, a, b), self._pool_rows(src, a, b)
+        for store in (*self.keys.values(), *self.values.values()):
+            store.index_copy_(0, to, store.index_select(0, frm))
+
     def rows(self, lo: int, hi: int) -> PagedRows:
         return PagedRows(self, torch.arange(lo, hi, device=self.lengths.device))
 
     def at(self, slots: list[int]) -> PagedRows:
         return PagedRows(self, torch.tensor(slots, device=self.lengths.device))
+
+    def packed(self, rows: list[list[tuple[int, int, int]]]) -> PackedRows:
+        return PackedRows(self, rows)
 
 
 class _LayerCache:
@@ -187,6 +201,11 @@ class PagedRows:
     def layer(self, name: str) -> _LayerCache:
         return _LayerCache(self, name)
 
+    @staticmethod
+    def mask(positions: torch.Tensor, backend: str) -> MaskSpec:
+        """Which keys each query sees: a row's keys sit at their positions (causal on them)."""
+        return MaskSpec(rows=positions, backend=backend)
+
     def _update(self, name: str, k: torch.Tensor, v: torch.Tensor):
         out = []
         for store, new in ((self.cache.keys[name], k), (self.cache.values[name], v)):
@@ -201,3 +220,57 @@ class PagedRows:
     def advance(self, n_tokens: torch.Tensor | int) -> None:
         """Move each row on by its number of real (non-padding) tokens just forwarded."""
         self.cache.lengths[self.slots] += n_tokens
+
+
+class PackedRows(PagedRows):
+    """Prompts that share a prefix, forwarded as trees: each row is a list of segments (slot, first
+    position, count). The first segment is a prompt's next chunk, after the positions its slot
+    holds already; each further one is another prompt's tail, from the position where it forks from
+    the first (its positions before that are the first's, computed now or before, and copied into
+    its slot after the forward: `PagedCache.copy`). A row's keys are numbered as one sequence: the
+    first slot's held positions, then the row's tokens in order. A segment's queries see its own
+    keys and the first segment's before its fork (`MaskSpec.shared`); RoPE takes each token's
+    position in its own prompt. Padding is neither written nor seen by a real query."""
+
+    def __init__(self, cache: PagedCache, segments: list[list[tuple[int, int, int]]]):
+        super().__init__(cache, torch.tensor([row[0][0] for row in segments], device=cache.lengths.device))
+        self.segments = segments
+
+    def positions(self, seq: int) -> torch.Tensor:
+        cache, device = self.cache, self.cache.lengths.device
+        starts = [row[0][1] for row in self.segments]  # keys before a row's tokens: its first slot's
+        end = max(starts) + seq
+        pos = torch.zeros(len(self.segments), seq, dtype=torch.long, device=device)
+        reads = torch.zeros(len(self.segments), end, dtype=torch.long, device=device)
+        docs = torch.full((len(self.segments), end), -1, dtype=torch.long, device=device)
+        shared = torch.zeros(len(self.segments), end, dtype=torch.long, device=device)
+        real = torch.zeros(len(self.segments), seq, dtype=torch.bool, device=device)
+        for r, row in enumerate(self.segments):
+            base = starts[r]
+            reads[r, :base] = cache._pool_rows(row[0][0], 0, base)
+            docs[r, :base] = 0
+            t = 0
+            for j, (slot, first, count) in enumerate(row):
+                pos[r, t:t + count] = torch.arange(first, first + count, device=device)
+                reads[r, base + t:base + t + count] = cache._pool_rows(slot, first, first + count)
+                docs[r, base + t:base + t + count] = j
+                shared[r, base + t:base + t + count] = first if j else 0
+                real[r, t:t + count] = True
+                t += count
+        flat = real.reshape(-1)
+        self._take = flat.nonzero().squeeze(1)
+        self._write_rows = reads.gather(1, torch.tensor(starts, device=device)[:, None]
+                                        + torch.arange(seq, device=device)[None, :]).reshape(-1)[self._take]
+        self._read_rows, self._shape = reads.reshape(-1), (len(self.segments), end)
+        self._rows = torch.tensor(starts, device=device)[:, None] + torch.arange(seq, device=device)[None, :]
+        self._documents, self._shared = docs, shared
+        return pos
+
+    def mask(self, positions: torch.Tensor, backend: str) -> MaskSpec:
+        return MaskSpec(rows=self._rows, documents=self._documents, shared=self._shared, backend=backend)
+
+    def advance(self, n_tokens=None) -> None:
+        """Every segment's slot now holds its positions up to the end of its tokens."""
+        for row in self.segments:
+            for slot, first, count in row:
+                self.cache.lengths[slot] = first + count

@@ -24,6 +24,7 @@ class PrefillStats:
     computed_tokens: int = 0
     cached_tokens: int = 0
     recomputed_tokens: int = 0  # positions computed again for sequences preempted (paged KV cache full)
+    packed: int = 0  # prompts computed in the forward of another that shares their prefix, from where they fork
 
 
 class Prefill:
@@ -44,6 +45,10 @@ class Prefill:
         # alternatives of the distribution it came from
         self.infos: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.next_logp: torch.Tensor | None = None  # the distribution of the first generated token
+        # computed in the same forward as `leader`, from position `fork` on: the positions before it
+        # are the leader's (the same tokens), copied into this slot after that forward (`take_shared`)
+        self.leader: Prefill | None = None
+        self.fork = 0
 
     @property
     def remaining(self) -> int:
@@ -71,7 +76,7 @@ class Prefill:
         if self.echo:
             self.infos = (torch.full((n,), math.nan), torch.zeros(n, top_k, dtype=torch.int32),
                           torch.zeros(n, top_k))
-        if self.reuse:
+        if self.reuse and self.leader is None:
             cache.write(self.slot, 0, torch.cat([b.kv for b in self.chain], dim=2)[:, :, :self.reuse])
             cache.lengths[self.slot] = self.reuse
             if self.infos is not None:  # (a chain holds at most the prompt's tokens)
@@ -87,6 +92,22 @@ class Prefill:
         stats.prompts_hit += bool(self.reuse)
         stats.prompt_tokens += n
         stats.cached_tokens += self.reuse
+
+    def follow(self, leader: Prefill, fork: int, top_k: int, stats: PrefillStats) -> None:
+        """Start as `leader`'s follower: computed in its forward from `fork` on (a packed tree,
+        `PagedCache.packed`), nothing copied from the prefix cache."""
+        self.leader, self.fork, self.reuse = leader, fork, fork
+        self.start(None, None, top_k, stats)
+        stats.packed += 1
+
+    def take_shared(self, cache) -> None:
+        """After the leader's forward: its positions before the fork into this slot, and their tokens'
+        log-probabilities (echo; token t's comes from position t − 1, the leader's for t ≤ fork)."""
+        cache.copy(self.leader.slot, self.slot, 0, self.fork)
+        if self.infos is not None:
+            for mine, theirs in zip(self.infos, self.leader.infos, strict=True):
+                mine[1:self.fork + 1] = theirs[1:self.fork + 1]
+        self.leader = None
 
     def needed(self, c: int) -> range:
         """Which of the next `c` positions need their distribution: with echo all (each gives the next

@@ -72,8 +72,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec | N
 def uses_flex(spec: MaskSpec, q: torch.Tensor, k: torch.Tensor) -> bool:
     """`flex` always; `auto` on a GPU (where torch has FlexAttention) when the queries attend their own
     row: not a KV cache's few new queries against every cached key, whose shapes change each step
-    (a compiled FlexAttention would compile again for each)."""
+    (a compiled FlexAttention would compile again for each). Never for a KV cache's tree of shared
+    prefixes (`spec.shared`, a few short forwards): the chunked path's dense masks express it."""
     own_row = spec.rows is None and q.shape[2] == k.shape[2]
+    if spec.shared is not None:
+        return False
     return spec.backend == "flex" or (spec.backend == "auto" and q.is_cuda and flex.AVAILABLE and own_row)
 
 

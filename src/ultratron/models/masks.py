@@ -1,7 +1,9 @@
 """What a query may attend, as a small spec rather than an S×S tensor.
 
 A `MaskSpec` says which keys each query sees: keys at positions not after its own (causal), within
-its document when rows are packed (`documents`: a document number per token of the row), and no
+its document when rows are packed (`documents`: a document number per token of the row; with
+`shared`, also every key before the query's `shared` index: prompts that share a prefix packed as
+a tree, each after the first seeing the first's keys up to where it forks), and no
 more than `window` positions back (a sliding window: query i sees keys i−window+1 .. i, as Mistral's
 and transformers' sliding-window masks do). `softcap` caps the scores (cap · tanh(s / cap), Gemma 2)
 and `backend` says which kernel runs it (`models/attention.py`). The model builds one spec per forward
@@ -25,6 +27,9 @@ BACKENDS = ("auto", "flex", "sdpa")  # model.attention's choices (models/presets
 @dataclass(frozen=True, eq=False)
 class MaskSpec:
     documents: torch.Tensor | None = None  # (batch, row length): a document number per token
+    # (batch, row length), with documents: a query sees every key before its index here, whatever the
+    # key's document (a KV cache's tree of prompts that share a prefix; inference only, no window)
+    shared: torch.Tensor | None = None
     rows: torch.Tensor | None = None  # the queries' positions in the row, (q,) or (batch, q); None: 0 .. q-1
     window: int = 0  # 0: no sliding window
     softcap: float = 0.0  # 0: no soft cap
@@ -67,7 +72,10 @@ def allowed(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.T
     if spec.documents is not None:
         docs = spec.documents
         q_docs = docs.gather(1, q_pos.expand(docs.shape[0], -1))
-        ok = ok & (q_docs[:, :, None] == docs[:, k_pos][:, None, :])
+        same = q_docs[:, :, None] == docs[:, k_pos][:, None, :]
+        if spec.shared is not None:
+            same = same | (k < spec.shared.gather(1, q_pos.expand(docs.shape[0], -1))[:, :, None])
+        ok = ok & same
     return ok[:, None]
 
 
@@ -82,7 +90,7 @@ def document_starts(documents: torch.Tensor) -> torch.Tensor:
 def key_span(spec: MaskSpec, q_pos: torch.Tensor) -> tuple[int, int]:
     """[lo, hi): the keys that queries at q_pos can see at most (a host read of two numbers)."""
     hi, lo = int(q_pos.max()) + 1, 0
-    if spec.documents is not None:
+    if spec.documents is not None and spec.shared is None:  # (shared keys start at 0)
         starts = document_starts(spec.documents)
         lo = int(starts.gather(1, q_pos.expand(starts.shape[0], -1)).min())
     if spec.window:

@@ -307,7 +307,7 @@ class Llama(nn.Module):
         else:
             positions = cache.positions(seq)  # (batch, seq)
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-            mask = MaskSpec(rows=positions, backend=self.args.attention)  # keys: every cached position
+            mask = cache.mask(positions, self.args.attention)  # which of its keys each query sees
         for name, layer in self.layers.items():
             x = layer(x, cos, sin, mask=mask) if cache is None else layer(x, cos, sin, cache.layer(name), mask=mask)
         hidden = self.norm(x)
