@@ -48,10 +48,10 @@ class Engine:
     stepping in between. With a prefix cache (`prefix_cache_tokens` > 0) a prompt's longest cached
     prefix is copied into its slot and only the rest computed; a prompt that shares an uncached
     prefix with one in the same forward is computed in its row from where they fork (a packed
-    tree, `PagedCache.packed`), or, when it cannot, waits for it and then reuses it. `step` samples every running
-    sequence's next token, lets the finished ones go (their slots are reused at once) and forwards
-    the rest by one token. A scheduler around it (serving's Batcher) decides who is admitted when;
-    `run_batch` admits everything and steps until done.
+    tree, `PagedCache.packed`), or, when it cannot, waits for it and then reuses it. `step`
+    samples every running sequence's next token, lets the finished ones go (their slots are
+    reused at once) and forwards the rest by one token. A scheduler around it (serving's Batcher)
+    decides who is admitted when; `run_batch` admits everything and steps until done.
 
     Counters for monitoring (`stats()`, also plain attributes): `prefill.prompt_tokens` (prompt
     tokens of the sequences admitted), `prefill.computed_tokens` (those the model computed; the
@@ -141,9 +141,9 @@ class Engine:
             chosen = self._choose(budget)
             if not chosen:
                 break
-            rows = _trees(chosen)
-            budget -= len(rows) * max(sum(c for _, c in row) for row in rows)
-            complete = self._forward(chosen)
+            trees = _trees(chosen)
+            budget -= len(trees) * max(sum(c for _, c in row) for row in trees)
+            complete = self._forward(trees)
             self._note_kv()
             for item in complete:
                 done += self._complete(item)
@@ -224,10 +224,10 @@ class Engine:
     def _worth_waiting(self, item: Prefill, gain: int, cached: int) -> bool:
         return gain > 1 and (gain >= self.prefix.block or 2 * gain >= len(item.ids) - cached)
 
-    def _forward(self, chosen: list[tuple[Prefill, int]]) -> list[Prefill]:
-        """One forward of the chosen chunks; log-softmax only where a log-probability is needed.
-        Returns the prompts now complete."""
-        trees = _trees(chosen)
+    def _forward(self, trees: list[list[tuple[Prefill, int]]]) -> list[Prefill]:
+        """One forward of the chosen chunks, a row per tree (`_trees`); log-softmax only where a
+        log-probability is needed. Returns the prompts now complete."""
+        chosen = [chunk for row in trees for chunk in row]
         width = max(sum(c for _, c in row) for row in trees)
         tokens = torch.zeros(len(trees), width, dtype=torch.long)
         place = []  # each chunk's (row, first column)

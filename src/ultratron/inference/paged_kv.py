@@ -257,12 +257,10 @@ class PackedRows(PagedRows):
                 shared[r, base + t:base + t + count] = first if j else 0
                 real[r, t:t + count] = True
                 t += count
-        flat = real.reshape(-1)
-        self._take = flat.nonzero().squeeze(1)
-        self._write_rows = reads.gather(1, torch.tensor(starts, device=device)[:, None]
-                                        + torch.arange(seq, device=device)[None, :]).reshape(-1)[self._take]
-        self._read_rows, self._shape = reads.reshape(-1), (len(self.segments), end)
         self._rows = torch.tensor(starts, device=device)[:, None] + torch.arange(seq, device=device)[None, :]
+        self._take = real.reshape(-1).nonzero().squeeze(1)
+        self._write_rows = reads.gather(1, self._rows).reshape(-1)[self._take]  # (the tokens' own keys)
+        self._read_rows, self._shape = reads.reshape(-1), (len(self.segments), end)
         self._documents, self._shared = docs, shared
         return pos
 
