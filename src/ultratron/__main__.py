@@ -1,3 +1,3 @@
-from ultratron.cli import main
+from ultratron.cli import entry
 
-raise SystemExit(main())
+entry()

@@ -2,6 +2,8 @@
 
 import http.server
 import json
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -133,3 +135,21 @@ def test_generation_through_completions_and_chat_equals_the_checkpoint(served, t
     templated = LocalBackend.from_checkpoint(trained_checkpoint).generate(
         [(chat_prompt([{"role": "user", "content": ex.prompt}]), ex.stop, ex.max_tokens) for ex in examples])
     assert got["chat"]["outputs"] == templated
+
+
+def test_the_endpoint_client_runs_without_torch_or_the_training_config(served, monkeypatch):
+    """`eval --endpoint` computes nothing itself: its process imports neither torch nor the training
+    config (model presets, layout rules; ~45 ms of a start of ~0.2 s), and exits 0 through the
+    command's own entry (`ultratron.cli.entry`, which freezes what is left before the exit)."""
+    url, key = served
+    monkeypatch.setenv("ULTRATRON_TEST_KEY", key)
+    script = ("import atexit, sys\n"
+              "atexit.register(lambda: print(sorted(m for m in ('torch', 'ultratron.config.training') "
+              "if m in sys.modules)))\n"
+              "sys.argv[1:] = ['eval', '--endpoint', %r, '--model', 'ultratron', '--api-key-env', "
+              "'ULTRATRON_TEST_KEY', '--tasks', 'builtin_next_line', '--max-examples', '2', '--quiet']\n"
+              "from ultratron.cli import entry\n"
+              "entry()\n") % (url + "/v1")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -8,6 +8,7 @@ imports inside `run`, so that torch-free commands such as `ultratron plan` start
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import sys
@@ -50,6 +51,18 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         module.add_arguments(sp)
         sp.set_defaults(_run=module.run)
     return parser
+
+
+def entry() -> None:
+    """The `ultratron` command and `python -m ultratron`: `main`, then the process ends. Before it
+    does, one collection runs the finalizers of whatever cyclic garbage is left (files flush), and
+    every object still alive is frozen out of the collector: the interpreter's own collections at
+    exit would walk them all again only for the memory to go back to the OS whole (~30 ms of
+    `ultratron eval --endpoint`'s wall time, ~17 ms with this)."""
+    code = main()
+    gc.collect()
+    gc.freeze()
+    raise SystemExit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ultratron.config.training import EndpointConfig
+from ultratron.config.endpoint import EndpointConfig
 from ultratron.fields import option
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ultratron.config.data import DataConfig
+from ultratron.config.endpoint import EndpointConfig
 from ultratron.config.init_from import adopt_init_from, chosen_fields
 from ultratron.config.loader import (
     apply_overrides,
@@ -177,23 +178,6 @@ class HealthConfig:
     matmul_size: int = option(0, "side of the square timing matmul; 0: 4096 on a GPU, 256 on a CPU")
     stop_on_failure: bool = option(True, "a failing GPU stops training (named in the log and in "
                                          "RUN_DIR/unhealthy-nodes.txt, which the Slurm script excludes on requeue)")
-
-
-@dataclass
-class EndpointConfig:
-    """How to reach an OpenAI-compatible API: shared by `ultratron eval` and periodic evaluation."""
-
-    endpoint: str | None = option(None, "base URL of an OpenAI-compatible API (…/v1)")
-    endpoint_model: str | None = option(None, "the endpoint's model id (default: the first /v1/models lists)",
-                                        flags=("--model",))
-    api_key_env: str = option("OPENAI_API_KEY", "environment variable holding the endpoint's key")
-    concurrency: int = option(4, "requests in flight to the endpoint")
-    timeout: float = option(60.0, "seconds per request")
-    max_retries: int = option(3, "retries per request, with exponential backoff")
-    generation_api: str = option("chat", "API used for generation tasks", choices=("chat", "completions"))
-    price_per_request: float = option(0.0, "cost counter: price of one request")
-    price_per_1k_prompt_tokens: float = option(0.0, "cost counter: price per 1,000 prompt tokens")
-    price_per_1k_completion_tokens: float = option(0.0, "cost counter: price per 1,000 completion tokens")
 
 
 @dataclass
