@@ -255,9 +255,7 @@ class Engine:
                                               torch.tensor(cols, device=hidden.device)])
             logp = torch.log_softmax(logits.float(), dim=-1)
             Prefill.record(owners, logp, self.top_k)
-        for item, _ in chosen:
-            if item.leader is not None:
-                item.take_shared(self.cache)
+        self.cache.copy([item.take_shared() for item, _ in chosen if item.leader is not None])
         complete = []
         for item, c in chosen:
             item.done += c
@@ -276,7 +274,7 @@ class Engine:
             splits = tuple(item.shares(p) for p in self.queue)  # (where the prompts still to come part from it)
             item.store(self.prefix, self.cache, splits)
         if item.resume is None:
-            item.finish_prompt(TokenInfo)
+            item.finish_prompt()
         target = len(self.rows)
         other = next((p for p in self.queue if p.slot == target), None)
         if other is not None:

@@ -44,8 +44,11 @@ class PagedCache:
         self.block, self.n_blocks = block, tokens // block
         shape = (self.n_blocks * block, args.n_kv_heads, args.head_dim)
         names = plan_of(model).blocks(model)  # the model's attention layers, by the names its forward asks
-        self.keys = {n: torch.zeros(shape, dtype=param.dtype, device=param.device) for n in names}
-        self.values = {n: torch.zeros(shape, dtype=param.dtype, device=param.device) for n in names}
+        # one tensor (layers, keys/values, pool rows, kv_heads, head_dim): a prompt's positions are
+        # read, written or copied by one index op over every layer (`read`, `write`, `copy`)
+        self.pool = torch.zeros((len(names), 2, *shape), dtype=param.dtype, device=param.device)
+        self.keys = {n: self.pool[i, 0] for i, n in enumerate(names)}
+        self.values = {n: self.pool[i, 1] for i, n in enumerate(names)}
         self.lengths = torch.zeros(slots, dtype=torch.long, device=param.device)
         self.table = torch.zeros(slots, blocks_for(capacity, block), dtype=torch.long, device=param.device)
         self.held = [0] * slots  # blocks in each slot's table
@@ -71,7 +74,7 @@ class PagedCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for store in (self.keys, self.values) for t in store.values())
+        return self.pool.numel() * self.pool.element_size()
 
     @property
     def free_blocks(self) -> int:
@@ -123,27 +126,23 @@ class PagedCache:
     def read(self, slot: int, a: int, b: int) -> torch.Tensor:
         """Positions a..b−1 of `slot`: (layers, 2, b − a, kv_heads, head_dim), a copy (positions
         before heads, as the pool holds them: no transpose either way)."""
-        rows = self._pool_rows(slot, a, b)
-        return torch.stack([torch.stack((self.keys[n].index_select(0, rows), self.values[n].index_select(0, rows)))
-                            for n in self.keys])
+        return self.pool.index_select(2, self._pool_rows(slot, a, b))
 
     def write(self, slot: int, a: int, kv: torch.Tensor) -> None:
         """`kv` (layers, 2, n, kv_heads, head_dim), as `read` gives it, into positions a..a+n−1 of
         `slot` (which gets the blocks for them)."""
         n = kv.shape[2]
         self.grow(slot, a + n)
-        rows = self._pool_rows(slot, a, a + n)
-        for i, name in enumerate(self.keys):
-            self.keys[name].index_copy_(0, rows, kv[i, 0])
-            self.values[name].index_copy_(0, rows, kv[i, 1])
+        self.pool.index_copy_(2, self._pool_rows(slot, a, a + n), kv)
 
-    def copy(self, src: int, dst: int, a: int, b: int) -> None:
-        """Positions a..b−1 of slot `src` into the same positions of slot `dst` (which has their blocks)."""
-        if b <= a:
-            return
-        to, frm = self._pool_rows(dst, a, b), self._pool_rows(src, a, b)
-        for store in (*self.keys.values(), *self.values.values()):
-            store.index_copy_(0, to, store.index_select(0, frm))
+    def copy(self, spans: list[tuple[int, int, int, int]]) -> None:
+        """For each (src, dst, a, b): positions a..b−1 of slot `src` into the same positions of slot
+        `dst` (which has their blocks); one gather and one scatter for them all."""
+        spans = [span for span in spans if span[3] > span[2]]
+        if spans:
+            to = torch.cat([self._pool_rows(dst, a, b) for _, dst, a, b in spans])
+            self.pool.index_copy_(2, to, self.pool.index_select(2, torch.cat([self._pool_rows(src, a, b)
+                                                                              for src, _, a, b in spans])))
 
     def rows(self, lo: int, hi: int) -> PagedRows:
         return PagedRows(self, torch.arange(lo, hi, device=self.lengths.device))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ultratron.inference.prefix_cache import PrefixCache, common_prefix
+from ultratron.inference.sequence import PromptTokens
 
 
 @dataclass
@@ -100,14 +101,16 @@ class Prefill:
         self.start(None, None, top_k, stats)
         stats.packed += 1
 
-    def take_shared(self, cache) -> None:
-        """After the leader's forward: its positions before the fork into this slot, and their tokens'
-        log-probabilities (echo; token t's comes from position t − 1, the leader's for t ≤ fork)."""
-        cache.copy(self.leader.slot, self.slot, 0, self.fork)
+    def take_shared(self) -> tuple[int, int, int, int]:
+        """After the leader's forward: the log-probabilities of the tokens before the fork (echo; token
+        t's comes from position t − 1, the leader's for t ≤ fork); returns the keys/values to copy
+        into this slot, (leader's slot, this slot, 0, fork), which the engine copies with the other
+        followers' in one `PagedCache.copy`."""
         if self.infos is not None:
             for mine, theirs in zip(self.infos, self.leader.infos, strict=True):
                 mine[1:self.fork + 1] = theirs[1:self.fork + 1]
-        self.leader = None
+        leader, self.leader = self.leader, None
+        return (leader.slot, self.slot, 0, self.fork)
 
     def needed(self, c: int) -> range:
         """Which of the next `c` positions need their distribution: with echo all (each gives the next
@@ -143,16 +146,14 @@ class Prefill:
                 values[p + 1:p + 1 + k - i] = top_values[i:k]
             i = j + 1
 
-    def finish_prompt(self, token_info) -> None:
-        """The prompt is computed: report its tokens' log-probabilities (echo)."""
+    def finish_prompt(self) -> None:
+        """The prompt is computed: report its tokens' log-probabilities (echo; `PromptTokens`)."""
         if self.infos is None:
             return
-        ids, k = self.seq.prompt_ids, self.seq.params.logprobs
+        k = self.seq.params.logprobs
         lp, top_ids, top_values = self.infos
-        lps = lp.tolist()
-        tops = list(zip(top_ids[:, :k].tolist(), top_values[:, :k].tolist(), strict=True)) if k else None
-        self.seq.prompt_tokens = [token_info(ids[0], None, None)] + [
-            token_info(ids[t], lps[t], list(zip(*tops[t], strict=True)) if tops else None) for t in range(1, len(ids))]
+        self.seq.prompt_tokens = PromptTokens(self.seq.prompt_ids, lp, *((top_ids[:, :k], top_values[:, :k]) if k
+                                                                       else ()))
 
     def store(self, prefix: PrefixCache, cache, splits: tuple[int, ...]) -> None:
         # the keys/values from the first new block to the prompt's end, gathered from the pool once

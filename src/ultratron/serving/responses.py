@@ -10,16 +10,26 @@ import orjson
 from fastapi.responses import JSONResponse
 
 from ultratron.inference.engine import Sequence, TokenInfo
+from ultratron.inference.sequence import PromptTokens
 from ultratron.serving.openai_fields import error_body
 
 
-def completion_logprobs(token_text, infos: list[TokenInfo], offsets: list[int]) -> dict:
+def completion_logprobs(token_text, prompt: list[TokenInfo] | PromptTokens, generated: list[TokenInfo],
+                        offsets: list[int]) -> dict:
+    """The legacy completions' logprobs of the echoed `prompt` (or none) and the `generated` tokens."""
+    ids, lps, tops = (a + b for a, b in zip(_columns(prompt), _columns(generated), strict=True))
     return {
-        "tokens": [token_text(t.id) for t in infos],
-        "token_logprobs": [t.logprob for t in infos],
-        "top_logprobs": [None if t.top is None else {token_text(i): lp for i, lp in t.top} for t in infos],
+        "tokens": [token_text(i) for i in ids],
+        "token_logprobs": lps,
+        "top_logprobs": [None if top is None else {token_text(i): lp for i, lp in top} for top in tops],
         "text_offset": offsets,
     }
+
+
+def _columns(infos: list[TokenInfo] | PromptTokens) -> tuple[list, list, list]:
+    if isinstance(infos, PromptTokens):
+        return infos.columns()
+    return [t.id for t in infos], [t.logprob for t in infos], [t.top for t in infos]
 
 
 def chat_logprobs(token_text, infos: list[TokenInfo]) -> dict:

@@ -343,13 +343,13 @@ def create_app(server: Server) -> FastAPI:
             prefix = text if req.echo else ""
             logprobs = None
             if req.logprobs is not None:
-                infos = (seq.prompt_tokens if req.echo else []) + seq.tokens
                 gen_offsets = [len(prefix) + len(server.tokenizer.decode(seq.token_ids[:i]))
                                for i in range(len(seq.tokens))]
                 offsets = (server.offsets(text, ids, isinstance(req.prompt, str) or
                                           (isinstance(req.prompt, list) and isinstance(req.prompt[0], str)))
                            if req.echo else []) + gen_offsets
-                logprobs = completion_logprobs(server.token_text, infos, offsets)
+                logprobs = completion_logprobs(server.token_text, seq.prompt_tokens if req.echo else [], seq.tokens,
+                                               offsets)
             choices.append({"index": index, "text": prefix + seq.text, "logprobs": logprobs,
                             "finish_reason": seq.finish_reason})
         return BodyResponse(response(rid, "text_completion", created, req.model, choices, prompts, seqs))
