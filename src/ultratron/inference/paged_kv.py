@@ -1,8 +1,9 @@
 """A paged key/value cache: one pool of fixed-size blocks that the running sequences share.
 
-Each layer's keys (and values) are one tensor allocated once, the pool: `n_blocks` blocks of
-`block` positions, stored flat as (n_blocks · block, kv_heads, head_dim), so pool row
-b · block + i is position i of block b. A sequence (a "slot": the engine's handle for it, at most
+The keys and values of every layer are one tensor allocated once, the pool: (layers, 2, rows,
+kv_heads, head_dim), each layer's keys and values a view of it (n_blocks · block rows,
+kv_heads, head_dim), so pool row b · block + i is position i of block b, and a prompt's positions
+are read, written or copied for every layer by one index op. A sequence (a "slot": the engine's handle for it, at most
 `slots` of them) holds a block table, the pool blocks of its positions 0..block−1,
 block..2·block−1, ...; it gets a block when it grows past the ones it has (`grow`) and gives them
 all back when it ends (`reset`). Memory follows the positions held, not the context length: the
@@ -44,8 +45,6 @@ class PagedCache:
         self.block, self.n_blocks = block, tokens // block
         shape = (self.n_blocks * block, args.n_kv_heads, args.head_dim)
         names = plan_of(model).blocks(model)  # the model's attention layers, by the names its forward asks
-        # one tensor (layers, keys/values, pool rows, kv_heads, head_dim): a prompt's positions are
-        # read, written or copied by one index op over every layer (`read`, `write`, `copy`)
         self.pool = torch.zeros((len(names), 2, *shape), dtype=param.dtype, device=param.device)
         self.keys = {n: self.pool[i, 0] for i, n in enumerate(names)}
         self.values = {n: self.pool[i, 1] for i, n in enumerate(names)}
