@@ -97,7 +97,10 @@ def test_kill_9_of_a_replica_group_the_other_goes_on_and_it_heals_and_rejoins(di
     cmd = [sys.executable, "-m", "ultratron", "launch", "--replicas", "2", "--nproc-per-node", "2", "--max-restarts",
            "1", "--", *dist_base, "--training.batch_tokens", "512", "--parallel.dp", "2", "--training.steps",
            str(STEPS), "--checkpoint.interval", "10", "--training.log_interval", "10", "--eval.interval", "0",
-           "--training.threads", "1", "--parallel.collective_timeout", str(TIMEOUT), "--run.dir", str(run)]
+           "--training.threads", "1", "--parallel.collective_timeout", str(TIMEOUT), "--run.dir", str(run),
+           # a loss spike would roll back and skip its window's data, by design, which the exact data
+           # accounting below does not expect: spikes only logged (the tiny model's loss jumps 5 % at times)
+           "--stability.max_rollbacks", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ULTRATRON_TEST_RUN": ENV_TAG}
     output = tmp_path / "launch.out"  # a file, not a pipe: a pipe nobody reads stops the writers when full
     with open(output, "w") as out_file:
