@@ -1,6 +1,5 @@
-"""How to reach an OpenAI-compatible API: the settings `ultratron eval --endpoint` and the training
-run's periodic evaluation share. A module of its own, so that the evaluation client imports these
-few fields without the training config (its model presets and layout rules)."""
+"""`EndpointConfig` in a module of its own, so that the evaluation client imports these few fields
+without the training config (its model presets and layout rules)."""
 
 from __future__ import annotations
 

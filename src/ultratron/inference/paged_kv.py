@@ -1,10 +1,10 @@
 """A paged key/value cache: one pool of fixed-size blocks that the running sequences share.
 
 The keys and values of every layer are one tensor allocated once, the pool: (layers, 2, rows,
-kv_heads, head_dim), each layer's keys and values a view of it (n_blocks · block rows,
-kv_heads, head_dim), so pool row b · block + i is position i of block b, and a prompt's positions
-are read, written or copied for every layer by one index op. A sequence (a "slot": the engine's handle for it, at most
-`slots` of them) holds a block table, the pool blocks of its positions 0..block−1,
+kv_heads, head_dim), each layer's keys and values a view of it (n_blocks · block rows, kv_heads,
+head_dim), so pool row b · block + i is position i of block b, and a prompt's positions are read,
+written or copied for every layer by one index op. A sequence (a "slot": the engine's handle for
+it, at most `slots` of them) holds a block table, the pool blocks of its positions 0..block−1,
 block..2·block−1, ...; it gets a block when it grows past the ones it has (`grow`) and gives them
 all back when it ends (`reset`). Memory follows the positions held, not the context length: the
 pool's `tokens` bound the sum of the sequences' lengths (rounded up to blocks), and `slots` only

@@ -152,8 +152,8 @@ class Prefill:
             return
         k = self.seq.params.logprobs
         lp, top_ids, top_values = self.infos
-        self.seq.prompt_tokens = PromptTokens(self.seq.prompt_ids, lp, *((top_ids[:, :k], top_values[:, :k]) if k
-                                                                       else ()))
+        tops = (top_ids[:, :k], top_values[:, :k]) if k else (None, None)
+        self.seq.prompt_tokens = PromptTokens(self.seq.prompt_ids, lp, *tops)
 
     def store(self, prefix: PrefixCache, cache, splits: tuple[int, ...]) -> None:
         # the keys/values from the first new block to the prompt's end, gathered from the pool once
