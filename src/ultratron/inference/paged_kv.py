@@ -138,10 +138,11 @@ class PagedCache:
         """For each (src, dst, a, b): positions a..b−1 of slot `src` into the same positions of slot
         `dst` (which has their blocks); one gather and one scatter for them all."""
         spans = [span for span in spans if span[3] > span[2]]
-        if spans:
-            to = torch.cat([self._pool_rows(dst, a, b) for _, dst, a, b in spans])
-            self.pool.index_copy_(2, to, self.pool.index_select(2, torch.cat([self._pool_rows(src, a, b)
-                                                                              for src, _, a, b in spans])))
+        if not spans:
+            return
+        frm = torch.cat([self._pool_rows(src, a, b) for src, _, a, b in spans])
+        to = torch.cat([self._pool_rows(dst, a, b) for _, dst, a, b in spans])
+        self.pool.index_copy_(2, to, self.pool.index_select(2, frm))
 
     def rows(self, lo: int, hi: int) -> PagedRows:
         return PagedRows(self, torch.arange(lo, hi, device=self.lengths.device))
